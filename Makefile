@@ -1,0 +1,74 @@
+# nixl-fabric: `make demo` and `make test` work on a fresh Debian/Ubuntu machine; every
+# dependency is installed here (apt + a local venv), nothing by hand.
+SHELL := /bin/bash
+.DEFAULT_GOAL := build
+
+ROOT      := $(abspath .)
+CARGO     ?= cargo
+PROFILE   ?= release
+TARGET    := $(ROOT)/target/$(PROFILE)
+LIB       := $(TARGET)/libnixl_fabric.so
+BUILD     := $(ROOT)/build
+PLUGINS   := $(BUILD)/plugins
+BACKEND   ?= LIBFABRIC
+VENV      := $(ROOT)/.venv
+PY        := $(VENV)/bin/python
+NIXL_PKG  ?= nixl-cu12==1.5.1
+APT_PKGS  := libfabric-dev libfabric-bin libclang-dev clang pkg-config iproute2 gcc g++ make python3-venv
+STAMP     := $(BUILD)/.stamps
+
+export FI_TCP_IFACE ?= lo
+export FI_SOCKETS_IFACE ?= lo
+export NIXL_FABRIC_IFACE ?= lo
+
+.PHONY: build deps venv test demo bench install check-header unit-test clean
+
+$(STAMP):
+	@mkdir -p $@
+
+# apt packages: installed only when missing (root on CI and fresh machines).
+deps: | $(STAMP)
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust (https://rustup.rs)"; exit 1; }
+
+# The stock NIXL agent from PyPI, the real client of our plugin in tests and benchmarks.
+$(VENV)/.ok:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --no-deps "$(NIXL_PKG)" numpy pytest
+	@touch $@
+venv: deps $(VENV)/.ok
+
+build: deps
+	$(CARGO) build --$(PROFILE) --lib --bins
+	@mkdir -p $(PLUGINS)
+	@cp -f $(LIB) $(PLUGINS)/libplugin_$(BACKEND).so
+	@echo "plugin: $(PLUGINS)/libplugin_$(BACKEND).so"
+
+# The committed header must equal what cbindgen generates from src/capi.
+check-header: build
+	@git diff --quiet -- include/nixl_fabric.h || { echo "include/nixl_fabric.h is stale: commit the regenerated header"; git --no-pager diff --stat -- include/nixl_fabric.h; exit 1; }
+
+unit-test: deps
+	$(CARGO) test --$(PROFILE) --lib --bins 2>&1 | tee $(BUILD)/unit-test.log; exit $${PIPESTATUS[0]}
+
+-include plugin_tests/harness.mk
+-include plugin_tests/agent.mk
+-include tests/python/python.mk
+
+TEST_TARGETS ?=
+test: build check-header unit-test $(TEST_TARGETS)
+	@echo "make test: all suites passed ($(TEST_TARGETS))"
+
+install: build
+	@test -n "$(NIXL_PLUGIN_DIR)" || { echo "usage: make install NIXL_PLUGIN_DIR=<dir> [BACKEND=LIBFABRIC]"; exit 1; }
+	install -d "$(NIXL_PLUGIN_DIR)"
+	install -m 0755 $(LIB) "$(NIXL_PLUGIN_DIR)/libplugin_$(BACKEND).so"
+
+clean:
+	$(CARGO) clean
+	rm -rf $(BUILD)

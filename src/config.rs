@@ -1,0 +1,248 @@
+//! The one table of every tunable. Each entry gives the backend-parameter key, the
+//! environment variable that overrides the default, the default, and what it does. The
+//! parameter parser, `get_backend_options`, the env overrides and the README table all come
+//! from this table (a test keeps the README in step).
+use crate::error::{Error, Result};
+
+/// How a value in the table is parsed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Str,
+    U64,
+    Bool,
+    Size,
+}
+
+/// One row of the table.
+pub struct Tunable {
+    pub key: &'static str,
+    pub env: &'static str,
+    pub default: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+    set: fn(&mut Config, &str) -> Result<()>,
+    get: fn(&Config) -> String,
+}
+
+macro_rules! tunables {
+    ($( $field:ident : $ty:ty = $kind:ident, $default:expr, $env:expr, $help:expr; )*) => {
+        /// Engine configuration; build with [`Config::from_env`], then [`Config::set`].
+        #[derive(Clone, Debug)]
+        pub struct Config { $( pub $field: $ty, )* }
+
+        pub static TUNABLES: &[Tunable] = &[ $( Tunable {
+            key: stringify!($field),
+            env: $env,
+            default: $default,
+            kind: Kind::$kind,
+            help: $help,
+            set: |c, v| { c.$field = parse::<$ty>(Kind::$kind, stringify!($field), v)?; Ok(()) },
+            get: |c| show(&c.$field),
+        }, )* ];
+    };
+}
+
+tunables! {
+    provider: String = Str, "auto", "NIXL_FABRIC_PROVIDER",
+        "libfabric provider: auto, tcp (tcp;ofi_rxm), sockets, shm, udp (udp;ofi_rxd), verbs, efa, or a full provider name";
+    iface: String = Str, "", "NIXL_FABRIC_IFACE",
+        "comma-separated libfabric domain names (for tcp/sockets: interface names such as lo or eth0) to open rails on; empty picks them automatically";
+    rails: u64 = U64, "0", "NIXL_FABRIC_RAILS",
+        "number of rails (endpoints); 0 = one per matching domain (tcp/sockets: one); more than the domains cycles over them";
+    progress_thread: bool = Bool, "true", "NIXL_FABRIC_PROGRESS_THREAD",
+        "run a progress thread; off means progress happens in check/notification calls";
+    progress_delay_us: u64 = U64, "0", "NIXL_FABRIC_PROGRESS_DELAY_US",
+        "longest sleep of an idle progress thread between passes (the agent's pthrDelay); 0 = 1000";
+    striping_threshold: u64 = Size, "1048576", "NIXL_FABRIC_STRIPING_THRESHOLD",
+        "descriptors of at least this many bytes are split across all rails";
+    timeout_ms: u64 = U64, "5000", "NIXL_FABRIC_TIMEOUT_MS",
+        "a request with no completion for this long fails with NIXL_ERR_REMOTE_DISCONNECT; also bounds every internal wait";
+    max_notif_size: u64 = Size, "65536", "NIXL_FABRIC_MAX_NOTIF_SIZE",
+        "largest notification message in bytes";
+    ctrl_recv_count: u64 = U64, "64", "NIXL_FABRIC_CTRL_RECV_COUNT",
+        "receive buffers pre-posted on rail 0 for control messages";
+    max_inflight: u64 = U64, "1024", "NIXL_FABRIC_MAX_INFLIGHT",
+        "most RMA operations outstanding per rail (also capped by the provider's queue size)";
+}
+
+/// Keys of the stock LIBFABRIC plugin and of other backends that callers pass through
+/// (TRT-LLM hands every backend the same map). Mapped ones become our key; the rest are
+/// accepted and ignored with a log line.
+pub static ALIASES: &[(&str, Option<&str>)] = &[
+    ("num_threads", None),
+    ("split_batch_size", None),
+    ("num_workers", None),
+    ("batch_size", None),
+    ("fabric_provider", Some("provider")),
+    ("num_rails", Some("rails")),
+];
+
+fn show<T: std::fmt::Display>(v: &T) -> String {
+    v.to_string()
+}
+
+trait FromTable: Sized {
+    fn from_table(kind: Kind, v: &str) -> Option<Self>;
+}
+impl FromTable for String {
+    fn from_table(_: Kind, v: &str) -> Option<Self> {
+        Some(v.trim().to_string())
+    }
+}
+impl FromTable for bool {
+    fn from_table(_: Kind, v: &str) -> Option<Self> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Some(true),
+            "0" | "false" | "no" | "off" => Some(false),
+            _ => None,
+        }
+    }
+}
+impl FromTable for u64 {
+    fn from_table(kind: Kind, v: &str) -> Option<Self> {
+        let v = v.trim();
+        if kind == Kind::Size {
+            return parse_size(v);
+        }
+        v.parse().ok()
+    }
+}
+
+/// Sizes accept plain bytes or a K/M/G suffix (powers of two), as users write them.
+pub fn parse_size(v: &str) -> Option<u64> {
+    let v = v.trim();
+    let (num, mul) = match v.chars().last()?.to_ascii_uppercase() {
+        'K' => (&v[..v.len() - 1], 1u64 << 10),
+        'M' => (&v[..v.len() - 1], 1 << 20),
+        'G' => (&v[..v.len() - 1], 1 << 30),
+        _ => (v, 1),
+    };
+    num.trim().parse::<u64>().ok()?.checked_mul(mul)
+}
+
+fn parse<T: FromTable>(kind: Kind, key: &str, v: &str) -> Result<T> {
+    T::from_table(kind, v).ok_or_else(|| {
+        Error::InvalidParam(format!("value '{v}' for backend parameter '{key}' is not a valid {kind:?}"))
+    })
+}
+
+/// What [`Config::set`] did with a key.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SetOutcome {
+    Applied,
+    /// A known foreign key (another backend's or the stock plugin's) that has no meaning here.
+    Ignored,
+}
+
+impl Config {
+    /// The table's defaults.
+    pub fn defaults() -> Config {
+        let mut c = Config::empty();
+        for t in TUNABLES {
+            // The defaults in the table are valid by construction (a unit test checks it).
+            let _ = (t.set)(&mut c, t.default);
+        }
+        c
+    }
+
+    fn empty() -> Config {
+        Config {
+            provider: String::new(),
+            iface: String::new(),
+            rails: 0,
+            progress_thread: true,
+            progress_delay_us: 0,
+            striping_threshold: 0,
+            timeout_ms: 0,
+            max_notif_size: 0,
+            ctrl_recv_count: 0,
+            max_inflight: 0,
+        }
+    }
+
+    /// Defaults overridden by the table's environment variables. A malformed variable is an
+    /// error, so a typo does not silently fall back.
+    pub fn from_env() -> Result<Config> {
+        let mut c = Config::defaults();
+        for t in TUNABLES {
+            if let Ok(v) = std::env::var(t.env) {
+                (t.set)(&mut c, &v).map_err(|e| Error::InvalidParam(format!("{}: {e}", t.env)))?;
+            }
+        }
+        Ok(c)
+    }
+
+    /// Applies one key. Unknown keys are `NotFound`; malformed values of known keys are
+    /// `InvalidParam`.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<SetOutcome> {
+        if let Some(t) = TUNABLES.iter().find(|t| t.key == key) {
+            (t.set)(self, value)?;
+            return Ok(SetOutcome::Applied);
+        }
+        match ALIASES.iter().find(|(k, _)| *k == key) {
+            Some((_, Some(ours))) => self.set(ours, value),
+            Some((_, None)) => Ok(SetOutcome::Ignored),
+            None => Err(Error::NotFound(format!("backend parameter '{key}'"))),
+        }
+    }
+
+    pub fn get(&self, key: &str) -> Option<String> {
+        TUNABLES.iter().find(|t| t.key == key).map(|t| (t.get)(self))
+    }
+
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.timeout_ms.max(1))
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.max_notif_size == 0 || self.max_notif_size > (16 << 20) {
+            return Err(Error::InvalidParam("max_notif_size must be 1 B .. 16 MiB".into()));
+        }
+        if self.ctrl_recv_count == 0 || self.ctrl_recv_count > 4096 {
+            return Err(Error::InvalidParam("ctrl_recv_count must be 1 .. 4096".into()));
+        }
+        if self.max_inflight == 0 {
+            return Err(Error::InvalidParam("max_inflight must be at least 1".into()));
+        }
+        if self.rails > 64 {
+            return Err(Error::InvalidParam("rails must be at most 64".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_parse_and_validate() {
+        let c = Config::defaults();
+        for t in TUNABLES {
+            assert_eq!(c.get(t.key).as_deref(), Some(t.default.trim()), "{}", t.key);
+        }
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn set_rejects_malformed_and_unknown() {
+        let mut c = Config::defaults();
+        assert!(matches!(c.set("timeout_ms", "soon"), Err(Error::InvalidParam(_))));
+        assert!(matches!(c.set("no_such_key", "1"), Err(Error::NotFound(_))));
+        assert_eq!(c.set("num_workers", "4").unwrap(), SetOutcome::Ignored);
+        assert_eq!(c.set("striping_threshold", "2M").unwrap(), SetOutcome::Applied);
+        assert_eq!(c.striping_threshold, 2 << 20);
+        assert_eq!(c.set("progress_thread", "off").unwrap(), SetOutcome::Applied);
+        assert!(!c.progress_thread);
+    }
+
+    #[test]
+    fn readme_lists_every_tunable() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+            .unwrap_or_default();
+        for t in TUNABLES {
+            let row = format!("| `{}` | `{}` | `{}` |", t.key, t.env, t.default);
+            assert!(readme.contains(&row), "README configuration table lacks the row: {row}");
+        }
+    }
+}

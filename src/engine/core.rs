@@ -1,0 +1,105 @@
+//! State shared by an engine's callers and its driver: identity, configuration, counters,
+//! received notifications, and the hand-over queue into the driver with its wake-up fd.
+use super::counters::{Counters, RailCounters};
+use super::driver::Driver;
+use super::registry::SharedCloseQueue;
+use super::request::Request;
+use crate::config::Config;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Work handed to the driver: a post, or any closure that must run where the rails are owned.
+pub enum Submit {
+    Post(Arc<Request>),
+    Task(Box<dyn FnOnce(&mut Driver) + Send>),
+}
+
+pub struct Core {
+    pub name: String,
+    pub engine_id: u64,
+    pub cfg: Config,
+    pub conn_info: Vec<u8>,
+    pub counters: Counters,
+    pub rail_counters: Vec<RailCounters>,
+    pub closeq: SharedCloseQueue,
+    notifs: Mutex<Vec<(String, Vec<u8>)>>,
+    submit: Mutex<Vec<Submit>>,
+    pending: AtomicBool,
+    /// The progress thread is (about to be) asleep and needs a write to `wake_fd`.
+    sleeping: AtomicBool,
+    pub wake_fd: i32,
+}
+
+impl Core {
+    pub fn new(name: &str, engine_id: u64, cfg: Config, conn_info: Vec<u8>, rails: usize, closeq: SharedCloseQueue) -> Core {
+        // SAFETY: eventfd takes no pointers; a failure returns -1, which we tolerate (the
+        // thread then wakes on its timeout).
+        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        Core {
+            name: name.to_string(),
+            engine_id,
+            cfg,
+            conn_info,
+            counters: Counters::default(),
+            rail_counters: (0..rails).map(|_| RailCounters::default()).collect(),
+            closeq,
+            notifs: Mutex::new(Vec::new()),
+            submit: Mutex::new(Vec::new()),
+            pending: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
+            wake_fd,
+        }
+    }
+
+    pub fn push_notif(&self, sender: String, msg: Vec<u8>) {
+        self.notifs.lock().unwrap_or_else(|p| p.into_inner()).push((sender, msg));
+    }
+
+    pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
+        std::mem::take(&mut *self.notifs.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub fn submit(&self, s: Submit) {
+        self.submit.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+        self.pending.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    pub fn has_submitted(&self) -> bool {
+        self.pending.load(Ordering::SeqCst)
+    }
+
+    pub fn take_submitted(&self) -> Vec<Submit> {
+        if !self.pending.swap(false, Ordering::SeqCst) {
+            return Vec::new();
+        }
+        std::mem::take(&mut *self.submit.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub fn wake(&self) {
+        if self.sleeping.load(Ordering::SeqCst) && self.wake_fd >= 0 {
+            let one: u64 = 1;
+            // SAFETY: writing 8 bytes from a valid u64 to our eventfd.
+            unsafe { libc::write(self.wake_fd, &one as *const u64 as *const libc::c_void, 8) };
+        }
+    }
+
+    pub fn set_sleeping(&self, v: bool) {
+        self.sleeping.store(v, Ordering::SeqCst);
+    }
+
+    pub fn clear_wake(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reading 8 bytes into a valid u64 from our non-blocking eventfd.
+        unsafe { libc::read(self.wake_fd, &mut v as *mut u64 as *mut libc::c_void, 8) };
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        if self.wake_fd >= 0 {
+            // SAFETY: closing the eventfd we opened, once.
+            unsafe { libc::close(self.wake_fd) };
+        }
+    }
+}

@@ -1,0 +1,648 @@
+//! The driver owns the rails (DESIGN rule 3): only whoever holds it (the progress thread,
+//! or with the thread off the caller that locked it) touches endpoints, CQs, AVs and MRs.
+//! One `pass` drains handed-over work, posts what the queues accept, reads completions
+//! and enforces deadlines.
+use super::core::{Core, Submit};
+use super::counters::add;
+use super::ops::{OpKind, OpPool};
+use super::peer::Peer;
+use super::request::{Op, Phase, ReqState, Request, Target};
+use super::wire::{self, CtrlType};
+use crate::error::{Error, Result, Status};
+use crate::fabric::{Completion, FiAddr, MemoryRegion, Posted, Rail};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Control-message buffers: pre-posted receives and a pool of send buffers, registered on
+/// rail 0 (providers with FI_MR_LOCAL need descriptors for them).
+struct CtrlBuffers {
+    size: usize,
+    recv: Box<[u8]>,
+    send: Box<[u8]>,
+    send_free: Vec<u32>,
+    recv_mr: Option<MemoryRegion>,
+    send_mr: Option<MemoryRegion>,
+}
+
+impl CtrlBuffers {
+    fn recv_ptr(&mut self, i: u32) -> *mut u8 {
+        // SAFETY: i < recv count; the slice holds count * size bytes.
+        unsafe { self.recv.as_mut_ptr().add(i as usize * self.size) }
+    }
+    fn send_ptr(&mut self, i: u32) -> *mut u8 {
+        // SAFETY: i < send count; the slice holds count * size bytes.
+        unsafe { self.send.as_mut_ptr().add(i as usize * self.size) }
+    }
+    fn desc(mr: &Option<MemoryRegion>) -> *mut std::ffi::c_void {
+        mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc)
+    }
+}
+
+/// Our addresses of one peer: `addrs[local rail][remote rail]`.
+struct Conn {
+    peer: Arc<Peer>,
+    addrs: Vec<Vec<Option<FiAddr>>>,
+    last_completion: Instant,
+}
+
+struct CtrlOut {
+    peer_id: u64,
+    dest: FiAddr,
+    bytes: Vec<u8>,
+    req: Option<(Arc<Request>, u64)>,
+}
+
+const SEND_BUFFERS: usize = 32;
+const POLL_BATCH: usize = 64;
+
+/// What an idle progress thread may wait on.
+pub enum Idle {
+    /// Some CQ has no wait fd: sleep on a timer only.
+    NoFds,
+    /// fi_trywait says events are pending: pass again instead of sleeping.
+    Busy,
+    Fds(Vec<i32>),
+}
+
+pub struct Driver {
+    // Field order is drop order: endpoints close before the buffers they may write into.
+    rails: Vec<Rail>,
+    ops: OpPool,
+    ctrl: CtrlBuffers,
+    core: Arc<Core>,
+    conns: HashMap<u64, Conn>,
+    /// Initiators that introduced themselves (engine id -> agent name).
+    initiators: HashMap<u64, String>,
+    to_post: VecDeque<Arc<Request>>,
+    active: Vec<Arc<Request>>,
+    ctrl_out: VecDeque<CtrlOut>,
+    inflight: Vec<usize>,
+    cap: Vec<usize>,
+    last_sweep: Instant,
+    next_key: u64,
+}
+
+impl Driver {
+    pub fn new(core: Arc<Core>, rails: Vec<Rail>) -> Result<Driver> {
+        let cfg = &core.cfg;
+        let size = cfg.max_notif_size as usize + wire::CTRL_HEADER + wire::MAX_NAME_LEN + 4096;
+        let nrecv = (cfg.ctrl_recv_count as usize).min(rails[0].caps.rx_size.max(1));
+        let mut ctrl = CtrlBuffers {
+            size,
+            recv: vec![0u8; size * nrecv].into_boxed_slice(),
+            send: vec![0u8; size * SEND_BUFFERS].into_boxed_slice(),
+            send_free: (0..SEND_BUFFERS as u32).rev().collect(),
+            recv_mr: None,
+            send_mr: None,
+        };
+        ctrl.recv_mr = Some(rails[0].register(ctrl.recv.as_ptr(), ctrl.recv.len(), 1, None)?);
+        ctrl.send_mr = Some(rails[0].register(ctrl.send.as_ptr(), ctrl.send.len(), 2, None)?);
+        let cap = rails.iter().map(|r| (cfg.max_inflight as usize).min(r.caps.tx_size).max(1)).collect();
+        let n = rails.len();
+        let mut d = Driver {
+            ops: OpPool::with_capacity(1024),
+            ctrl,
+            core,
+            conns: HashMap::new(),
+            initiators: HashMap::new(),
+            to_post: VecDeque::new(),
+            active: Vec::new(),
+            ctrl_out: VecDeque::new(),
+            inflight: vec![0; n],
+            cap,
+            last_sweep: Instant::now(),
+            next_key: 16,
+            rails,
+        };
+        for i in 0..nrecv as u32 {
+            d.post_recv(i)?;
+        }
+        Ok(d)
+    }
+
+    pub fn rails(&self) -> &[Rail] {
+        &self.rails
+    }
+
+    fn post_recv(&mut self, buf: u32) -> Result<()> {
+        let ptr = self.ctrl.recv_ptr(buf);
+        let desc = CtrlBuffers::desc(&self.ctrl.recv_mr);
+        let deadline = Instant::now() + self.core.cfg.timeout();
+        loop {
+            let ctx = self.ops.alloc(OpKind::Recv { buf });
+            match self.rails[0].recv(ptr, self.ctrl.size, desc, ctx) {
+                Ok(Posted::Ok) => return Ok(()),
+                Ok(Posted::Again) => {
+                    self.ops.release(ctx);
+                    if Instant::now() > deadline {
+                        return Err(Error::Timeout("re-posting a control receive buffer".into()));
+                    }
+                    self.poll_rail(0);
+                }
+                Err(e) => {
+                    self.ops.release(ctx);
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Registers a region on every rail. Keys are ours to choose where the provider does
+    /// not choose them; they only need to be unique per domain.
+    pub fn register(&mut self, addr: u64, len: u64, hmem: Option<(u32, i32)>) -> Result<Vec<MemoryRegion>> {
+        let mut mrs = Vec::with_capacity(self.rails.len());
+        for r in &self.rails {
+            self.next_key += 1;
+            mrs.push(r.register(addr as *const u8, len as usize, self.next_key, hmem)?);
+        }
+        Ok(mrs)
+    }
+
+    /// One pass of the progress loop. Returns whether work is outstanding (the caller
+    /// should pass again soon rather than sleep).
+    pub fn pass(&mut self) -> bool {
+        add(&self.core.counters.progress_passes, 1);
+        for mr in super::registry::CloseQueue::drain(&self.core.closeq) {
+            drop(mr);
+        }
+        self.drain_submit();
+        self.post_pending();
+        self.flush_ctrl();
+        let mut got = 0;
+        for r in 0..self.rails.len() {
+            got += self.poll_rail(r);
+        }
+        // Completions may have freed queue slots: post again in the same pass.
+        if got > 0 {
+            self.post_pending();
+            self.flush_ctrl();
+        }
+        self.sweep();
+        got > 0 || !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty()
+    }
+
+    fn drain_submit(&mut self) {
+        for s in self.core.take_submitted() {
+            match s {
+                Submit::Post(req) => self.begin(req),
+                Submit::Task(f) => f(self),
+            }
+        }
+    }
+
+    fn begin(&mut self, req: Arc<Request>) {
+        let mut st = req.state();
+        if st.cancelled {
+            self.complete(&req, &mut st, Err(Error::Canceled));
+            return;
+        }
+        let Some(peer) = req.peer().cloned() else {
+            self.copy_local(&req, &mut st);
+            return;
+        };
+        if let Err(e) = self.ensure_conn(&peer) {
+            self.complete(&req, &mut st, Err(e));
+            return;
+        }
+        st.phase = Phase::Data;
+        st.last_progress = Instant::now();
+        let empty = req.segs.is_empty();
+        if empty {
+            self.data_done(&req, &mut st);
+        }
+        drop(st);
+        if !empty {
+            self.to_post.push_back(req.clone());
+        }
+        self.active.push(req);
+    }
+
+    /// Loopback: the remote side is our own memory, so the bytes are copied here, once.
+    fn copy_local(&mut self, req: &Arc<Request>, st: &mut ReqState) {
+        debug_assert!(matches!(req.target, Target::Local));
+        for s in req.segs.iter() {
+            let (src, dst) = match req.op {
+                Op::Write => (s.local, s.raddr),
+                Op::Read => (s.raddr, s.local),
+            };
+            // SAFETY: both ranges were bounds-checked against live registrations that the
+            // request keeps alive; `copy` tolerates overlap.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, s.len as usize) };
+        }
+        let c = &self.core.counters;
+        add(if req.op == Op::Write { &c.bytes_written } else { &c.bytes_read }, req.bytes);
+        if let Some(msg) = st.notif.take() {
+            self.core.push_notif(self.core.name.clone(), msg);
+        }
+        self.complete(req, st, Ok(()));
+    }
+
+    /// Inserts a peer's rail addresses into our AVs and introduces ourselves.
+    pub fn ensure_conn(&mut self, peer: &Arc<Peer>) -> Result<()> {
+        if peer.is_disconnected() {
+            return Err(Error::Disconnected(format!("agent '{}' was disconnected", peer.name)));
+        }
+        if self.conns.contains_key(&peer.id) {
+            return Ok(());
+        }
+        let mut addrs = Vec::with_capacity(self.rails.len());
+        for rail in &self.rails {
+            let mut row = Vec::with_capacity(peer.info.rails.len());
+            for ra in &peer.info.rails {
+                row.push(if ra.provider == rail.caps.prov_name { Some(rail.av_insert(&ra.addr)?) } else { None });
+            }
+            addrs.push(row);
+        }
+        let Some(ctrl) = addrs[0][0] else {
+            return Err(Error::NotSupported(format!(
+                "agent '{}' uses provider {} on its first rail, we use {}",
+                peer.name, peer.info.rails[0].provider, self.rails[0].caps.prov_name
+            )));
+        };
+        log::info!("{}: connected to agent '{}' ({} local x {} remote rails)", self.core.name, peer.name, self.rails.len(), peer.info.rails.len());
+        self.conns.insert(peer.id, Conn { peer: peer.clone(), addrs, last_completion: Instant::now() });
+        let hello = wire::encode_ctrl(CtrlType::Hello, self.core.engine_id, &self.core.name, &self.core.conn_info);
+        self.ctrl_out.push_back(CtrlOut { peer_id: peer.id, dest: ctrl, bytes: hello, req: None });
+        Ok(())
+    }
+
+    pub fn disconnect(&mut self, peer_id: u64) {
+        if let Some(c) = self.conns.remove(&peer_id) {
+            for (l, row) in c.addrs.iter().enumerate() {
+                for a in row.iter().flatten() {
+                    self.rails[l].av_remove(*a);
+                }
+            }
+            log::info!("{}: disconnected from agent '{}'", self.core.name, c.peer.name);
+        }
+        self.ctrl_out.retain(|m| m.peer_id != peer_id);
+        let active = std::mem::take(&mut self.active);
+        for req in &active {
+            if req.peer().is_some_and(|p| p.id == peer_id) {
+                let mut st = req.state();
+                if matches!(st.phase, Phase::Data | Phase::Notif) {
+                    self.complete(req, &mut st, Err(Error::Disconnected("peer was disconnected".into())));
+                }
+            }
+        }
+        self.active = active;
+    }
+
+    /// Queues a control message to a peer (a notification, optionally completing `req`).
+    pub fn send_ctrl(&mut self, peer: &Arc<Peer>, kind: CtrlType, payload: &[u8], req: Option<(Arc<Request>, u64)>) -> Result<()> {
+        self.ensure_conn(peer)?;
+        let dest = self.conns[&peer.id].addrs[0][0].ok_or_else(|| Error::Backend("no control address".into()))?;
+        let bytes = wire::encode_ctrl(kind, self.core.engine_id, &self.core.name, payload);
+        if bytes.len() > self.ctrl.size {
+            return Err(Error::InvalidParam(format!("control message of {} bytes exceeds {}", bytes.len(), self.ctrl.size)));
+        }
+        self.ctrl_out.push_back(CtrlOut { peer_id: peer.id, dest, bytes, req });
+        Ok(())
+    }
+
+    fn post_pending(&mut self) {
+        while let Some(req) = self.to_post.front().cloned() {
+            let peer_id = req.peer().map_or(0, |p| p.id);
+            let mut st = req.state();
+            if st.phase != Phase::Data {
+                self.to_post.pop_front();
+                continue;
+            }
+            let Some(conn) = self.conns.get(&peer_id) else {
+                self.to_post.pop_front();
+                self.fail_data(&req, &mut st, Error::Disconnected("peer was disconnected".into()));
+                continue;
+            };
+            if st.cancelled || st.error.is_some() {
+                st.next = req.segs.len();
+            }
+            let mut blocked = false;
+            let epoch = st.epoch;
+            while st.next < req.segs.len() {
+                let s = req.segs[st.next];
+                let rail = s.rail as usize;
+                if self.inflight[rail] >= self.cap[rail] {
+                    blocked = true;
+                    break;
+                }
+                let Some(dest) = conn.addrs[rail][s.rrail as usize] else {
+                    st.error = Some(Error::NotSupported(format!("rail {rail} cannot reach remote rail {}", s.rrail)));
+                    st.next = req.segs.len();
+                    break;
+                };
+                let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: s.rail, len: s.len });
+                let more = st.next + 1 < req.segs.len();
+                let r = &self.rails[rail];
+                let res = match req.op {
+                    Op::Write => r.write(s.local as *const u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more),
+                    Op::Read => r.read(s.local as *mut u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more),
+                };
+                match res {
+                    Ok(Posted::Ok) => {
+                        st.next += 1;
+                        st.outstanding += 1;
+                        st.inflight_total += 1;
+                        self.inflight[rail] += 1;
+                        add(&self.core.counters.ops_posted, 1);
+                    }
+                    Ok(Posted::Again) => {
+                        self.ops.release(ctx);
+                        add(&self.core.counters.retries, 1);
+                        add(&self.core.rail_counters[rail].retries, 1);
+                        blocked = true;
+                        break;
+                    }
+                    Err(e) => {
+                        self.ops.release(ctx);
+                        log::error!("{}: {e} (agent '{}')", self.core.name, req.peer().map_or("", |p| p.name.as_str()));
+                        add(&self.core.rail_counters[rail].errors, 1);
+                        st.error.get_or_insert(e);
+                        st.next = req.segs.len();
+                    }
+                }
+            }
+            if st.next >= req.segs.len() {
+                self.to_post.pop_front();
+                if st.outstanding == 0 {
+                    self.data_done(&req, &mut st);
+                }
+            } else if blocked {
+                break;
+            }
+        }
+    }
+
+    fn fail_data(&mut self, req: &Arc<Request>, st: &mut ReqState, e: Error) {
+        st.error.get_or_insert(e);
+        st.next = req.segs.len();
+        if st.outstanding == 0 {
+            self.data_done(req, st);
+        }
+    }
+
+    /// Every byte of the post is delivered (or it failed): send the notification, or finish.
+    fn data_done(&mut self, req: &Arc<Request>, st: &mut ReqState) {
+        if st.phase != Phase::Data {
+            return;
+        }
+        if let Some(e) = st.error.take() {
+            self.complete(req, st, Err(e));
+        } else if st.cancelled {
+            self.complete(req, st, Err(Error::Canceled));
+        } else if let Some(msg) = st.notif.take() {
+            let Some(peer) = req.peer().cloned() else {
+                self.complete(req, st, Ok(()));
+                return;
+            };
+            st.phase = Phase::Notif;
+            st.last_progress = Instant::now();
+            if let Err(e) = self.send_ctrl(&peer, CtrlType::Notif, &msg, Some((req.clone(), st.epoch))) {
+                self.complete(req, st, Err(e));
+            }
+        } else {
+            self.complete(req, st, Ok(()));
+        }
+    }
+
+    fn complete(&mut self, req: &Arc<Request>, st: &mut ReqState, res: Result<()>) {
+        st.phase = Phase::Done;
+        let c = &self.core.counters;
+        match res {
+            Ok(()) => {
+                add(&c.requests_completed, 1);
+                req.set_status(Status::NF_SUCCESS);
+            }
+            Err(e) => {
+                add(&c.requests_failed, 1);
+                let s = e.status();
+                if !matches!(e, Error::Canceled) {
+                    log::error!("{}: transfer to agent '{}' failed: {e} -> {}", self.core.name, req.peer().map_or("", |p| p.name.as_str()), s.name());
+                }
+                req.set_status(s);
+            }
+        }
+    }
+
+    fn flush_ctrl(&mut self) {
+        while let Some(m) = self.ctrl_out.front() {
+            let Some(buf) = self.ctrl.send_free.pop() else { break };
+            let ptr = self.ctrl.send_ptr(buf);
+            let len = m.bytes.len();
+            // SAFETY: the send buffer has ctrl.size >= len bytes (checked when queued).
+            unsafe { std::ptr::copy_nonoverlapping(m.bytes.as_ptr(), ptr, len) };
+            let dest = m.dest;
+            let ctx = self.ops.alloc(OpKind::Send { buf, req: m.req.clone() });
+            let desc = CtrlBuffers::desc(&self.ctrl.send_mr);
+            match self.rails[0].send(ptr, len, desc, dest, ctx) {
+                Ok(Posted::Ok) => {
+                    self.ctrl_out.pop_front();
+                }
+                Ok(Posted::Again) => {
+                    self.ops.release(ctx);
+                    self.ctrl.send_free.push(buf);
+                    add(&self.core.counters.retries, 1);
+                    break;
+                }
+                Err(e) => {
+                    self.ops.release(ctx);
+                    self.ctrl.send_free.push(buf);
+                    let m = self.ctrl_out.pop_front().expect("front exists");
+                    log::error!("{}: sending a control message failed: {e}", self.core.name);
+                    if let Some((req, epoch)) = m.req {
+                        let mut st = req.state();
+                        if st.epoch == epoch && st.phase == Phase::Notif {
+                            self.complete(&req, &mut st, Err(e));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn poll_rail(&mut self, rail: usize) -> usize {
+        let mut buf = [Completion { ctx: std::ptr::null_mut(), flags: 0, len: 0 }; POLL_BATCH];
+        let mut total = 0;
+        for _ in 0..16 {
+            match self.rails[rail].poll(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    total += n;
+                    for c in &buf[..n] {
+                        self.on_completion(rail, c.ctx, c.len, None);
+                    }
+                    if n < POLL_BATCH {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    total += 1;
+                    add(&self.core.rail_counters[rail].errors, 1);
+                    let ctx = e.ctx;
+                    let err = e.into_error("completion", rail);
+                    if ctx.is_null() {
+                        log::warn!("{}: rail {rail}: {err}", self.core.name);
+                    } else {
+                        self.on_completion(rail, ctx, 0, Some(err));
+                    }
+                }
+            }
+        }
+        total
+    }
+
+    fn on_completion(&mut self, rail: usize, ctx: *mut std::ffi::c_void, len: usize, err: Option<Error>) {
+        let Some(kind) = self.ops.release(ctx) else {
+            log::warn!("{}: rail {rail}: completion for an unknown context", self.core.name);
+            return;
+        };
+        match kind {
+            OpKind::Free => {}
+            OpKind::Rma { req, epoch, rail: r, len } => {
+                let r = r as usize;
+                self.inflight[r] = self.inflight[r].saturating_sub(1);
+                let mut st = req.state();
+                st.inflight_total = st.inflight_total.saturating_sub(1);
+                if let Some(conn) = req.peer().and_then(|p| self.conns.get_mut(&p.id)) {
+                    conn.last_completion = Instant::now();
+                }
+                if epoch != st.epoch || st.phase != Phase::Data {
+                    return;
+                }
+                st.outstanding -= 1;
+                st.last_progress = Instant::now();
+                match err {
+                    None => {
+                        let c = &self.core.counters;
+                        add(if req.op == Op::Write { &c.bytes_written } else { &c.bytes_read }, len);
+                        add(&c.ops_completed, 1);
+                        add(&self.core.rail_counters[r].bytes, len);
+                        add(&self.core.rail_counters[r].ops, 1);
+                    }
+                    Some(e) => {
+                        add(&self.core.counters.ops_failed, 1);
+                        st.error.get_or_insert(e);
+                        st.next = req.segs.len();
+                    }
+                }
+                if st.outstanding == 0 && st.next >= req.segs.len() {
+                    self.data_done(&req, &mut st);
+                }
+            }
+            OpKind::Send { buf, req } => {
+                self.ctrl.send_free.push(buf);
+                if err.is_none() {
+                    add(&self.core.counters.notifs_sent, req.is_some() as u64);
+                }
+                if let Some((req, epoch)) = req {
+                    let mut st = req.state();
+                    if st.epoch == epoch && st.phase == Phase::Notif {
+                        self.complete(&req, &mut st, err.map_or(Ok(()), Err));
+                    }
+                } else if let Some(e) = err {
+                    log::error!("{}: control message failed: {e}", self.core.name);
+                }
+            }
+            OpKind::Recv { buf } => {
+                match err {
+                    None => self.on_ctrl(buf, len),
+                    Some(Error::Completion { errno, .. }) if errno == libc::ECANCELED => return,
+                    Some(e) => log::warn!("{}: control receive failed: {e}", self.core.name),
+                }
+                if let Err(e) = self.post_recv(buf) {
+                    log::error!("{}: cannot re-post a control receive: {e}", self.core.name);
+                }
+            }
+        }
+    }
+
+    fn on_ctrl(&mut self, buf: u32, len: usize) {
+        let len = len.min(self.ctrl.size);
+        let ptr = self.ctrl.recv_ptr(buf);
+        // SAFETY: the provider wrote `len` bytes into this receive buffer.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+        let msg = match wire::decode_ctrl(bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                log::warn!("{}: dropping a control message: {e}", self.core.name);
+                return;
+            }
+        };
+        match msg.kind {
+            CtrlType::Hello => {
+                if self.initiators.insert(msg.sender_id, msg.sender.to_string()).is_none() {
+                    log::info!("{}: agent '{}' introduced itself (engine {:016x})", self.core.name, msg.sender, msg.sender_id);
+                }
+            }
+            CtrlType::Notif => {
+                add(&self.core.counters.notifs_received, 1);
+                self.core.push_notif(msg.sender.to_string(), msg.payload.to_vec());
+            }
+        }
+    }
+
+    /// Deadlines (rule 2): a post whose peer completed nothing for `timeout_ms` fails with
+    /// REMOTE_DISCONNECT; finished requests leave the active list.
+    fn sweep(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < Duration::from_millis(5) {
+            return;
+        }
+        self.last_sweep = now;
+        let timeout = self.core.cfg.timeout();
+        let active = std::mem::take(&mut self.active);
+        let mut keep = Vec::with_capacity(active.len());
+        for req in active {
+            let mut st = req.state();
+            if !matches!(st.phase, Phase::Data | Phase::Notif) {
+                continue;
+            }
+            let peer_alive = req.peer().and_then(|p| self.conns.get(&p.id)).map(|c| c.last_completion);
+            let last = peer_alive.map_or(st.last_progress, |t| t.max(st.last_progress));
+            if now.duration_since(last) > timeout {
+                let who = req.peer().map_or(String::new(), |p| p.name.clone());
+                self.complete(&req, &mut st, Err(Error::Timeout(format!(
+                    "agent '{who}' completed nothing for {} ms", timeout.as_millis()
+                ))));
+                continue;
+            }
+            drop(st);
+            keep.push(req);
+        }
+        self.active = keep;
+    }
+
+    /// Whether the thread may sleep now, and on which CQ fds.
+    pub fn idle_fds(&self) -> Idle {
+        let mut fds = Vec::with_capacity(self.rails.len());
+        for r in &self.rails {
+            if !r.has_wait_fd() {
+                return Idle::NoFds;
+            }
+            match r.wait_fd_if_idle() {
+                Some(fd) => fds.push(fd),
+                None => return Idle::Busy,
+            }
+        }
+        Idle::Fds(fds)
+    }
+
+    /// Fails everything still queued or in flight (engine teardown).
+    pub fn cancel_all(&mut self) {
+        let active = std::mem::take(&mut self.active);
+        for req in &active {
+            let mut st = req.state();
+            if matches!(st.phase, Phase::Data | Phase::Notif) {
+                self.complete(req, &mut st, Err(Error::Canceled));
+            }
+        }
+        self.to_post.clear();
+        self.ctrl_out.clear();
+        for (_, s) in self.core.take_submitted().into_iter().enumerate() {
+            if let Submit::Post(req) = s {
+                let mut st = req.state();
+                self.complete(&req, &mut st, Err(Error::Canceled));
+            }
+        }
+    }
+}

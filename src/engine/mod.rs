@@ -1,0 +1,526 @@
+//! The transfer engine: rails, registrations, peers, requests, notifications and the
+//! progress loop. Callers use [`Engine`]; everything that touches the rails runs in the
+//! [`driver`], owned by the progress thread or, with the thread off, by the caller that
+//! locks it.
+mod core;
+mod counters;
+mod driver;
+mod ops;
+mod peer;
+mod progress;
+mod registry;
+mod request;
+pub mod wire;
+
+pub use registry::{LocalMem, MemKind, RemoteMem};
+pub use request::{Op, Request};
+
+use crate::capi::{nf_counters, nf_rail_counters};
+use crate::config::Config;
+use crate::error::{Error, Result, Status};
+use crate::fabric::{self, Rail};
+use self::core::{Core, Submit};
+use driver::Driver;
+use peer::Peer;
+use registry::{CloseQueue, SharedCloseQueue};
+use request::{dedup_arcs, Phase, Seg, Target};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use wire::{ConnInfo, MemDesc, RailAddr};
+
+/// One descriptor pair of a request: (address, length, registration) on each side.
+pub struct Pair<'a> {
+    pub local: (u64, u64, &'a Arc<LocalMem>),
+    pub remote: (u64, u64, &'a Arc<RemoteMem>),
+}
+
+/// What every rail of this engine looks like, for segmenting requests without the driver.
+struct RailShape {
+    max_msg: u64,
+    virt_addr: bool,
+}
+
+pub struct Engine {
+    core: Arc<Core>,
+    driver: Arc<Mutex<Driver>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    stop: Arc<AtomicBool>,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    shapes: Vec<RailShape>,
+    next_peer_id: AtomicU64,
+    rr: AtomicUsize,
+    threaded: bool,
+    shut: AtomicBool,
+}
+
+fn random_u64() -> u64 {
+    let mut v: u64 = 0;
+    // SAFETY: getrandom writes at most 8 bytes into v.
+    let n = unsafe { libc::getrandom(&mut v as *mut u64 as *mut libc::c_void, 8, 0) };
+    if n != 8 {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        v = t ^ ((std::process::id() as u64) << 32);
+    }
+    v
+}
+
+/// The boot id names this host (and boot), so peers can tell they share one.
+fn host_id() -> [u8; 16] {
+    let mut id = [0u8; 16];
+    if let Ok(s) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
+        let hex: Vec<u8> = s.bytes().filter(|b| b.is_ascii_hexdigit()).collect();
+        for (i, pair) in hex.chunks(2).take(16).enumerate() {
+            id[i] = u8::from_str_radix(std::str::from_utf8(pair).unwrap_or("0"), 16).unwrap_or(0);
+        }
+    }
+    id
+}
+
+fn is_single_rail_provider(p: &str) -> bool {
+    ["tcp", "sockets", "shm", "udp"].iter().any(|x| p.starts_with(x))
+}
+
+impl Engine {
+    pub fn new(name: &str, cfg: Config) -> Result<Arc<Engine>> {
+        cfg.validate()?;
+        if name.is_empty() || name.len() > wire::MAX_NAME_LEN {
+            return Err(Error::InvalidParam(format!("agent name must be 1..={} bytes", wire::MAX_NAME_LEN)));
+        }
+        let specs = fabric::discover(&cfg)?;
+        let count = match cfg.rails {
+            0 if is_single_rail_provider(&specs[0].prov_name) => 1,
+            0 => specs.len(),
+            n => n as usize,
+        };
+        let mut rails: Vec<Rail> = Vec::with_capacity(count);
+        for i in 0..count {
+            rails.push(Rail::open(&specs[i % specs.len()], i, cfg.progress_thread)?);
+        }
+        let engine_id = random_u64();
+        let conn = ConnInfo {
+            engine_id,
+            host_id: host_id(),
+            agent: name.to_string(),
+            rails: rails.iter().map(|r| RailAddr { provider: r.caps.prov_name.clone(), addr: r.name.clone() }).collect(),
+        };
+        let shapes = rails.iter().map(|r| RailShape { max_msg: r.caps.max_msg_size.max(4096), virt_addr: r.caps.virt_addr }).collect();
+        let closeq: SharedCloseQueue = Arc::new(Mutex::new(CloseQueue::default()));
+        let threaded = cfg.progress_thread;
+        let core = Arc::new(Core::new(name, engine_id, cfg, conn.encode(), rails.len(), closeq));
+        let driver = Arc::new(Mutex::new(Driver::new(core.clone(), rails)?));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = if threaded {
+            Some(progress::spawn(core.clone(), driver.clone(), stop.clone()).map_err(|e| Error::Backend(format!("spawning the progress thread: {e}")))?)
+        } else {
+            None
+        };
+        log::info!(
+            "{name}: engine {engine_id:016x} up with {count} rail(s) on {}; progress thread {}",
+            specs[0].prov_name,
+            if threaded { "on" } else { "off" }
+        );
+        Ok(Arc::new(Engine {
+            core,
+            driver,
+            thread: Mutex::new(thread),
+            stop,
+            peers: Mutex::new(HashMap::new()),
+            shapes,
+            next_peer_id: AtomicU64::new(1),
+            rr: AtomicUsize::new(0),
+            threaded,
+            shut: AtomicBool::new(false),
+        }))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.core.name
+    }
+
+    pub fn conn_info(&self) -> &[u8] {
+        &self.core.conn_info
+    }
+
+    pub fn rail_count(&self) -> usize {
+        self.shapes.len()
+    }
+
+    pub fn supported_mems(&self) -> u32 {
+        1 << MemKind::Dram as u32
+    }
+
+    pub fn counters(&self) -> nf_counters {
+        self.core.counters.snapshot()
+    }
+
+    pub fn rail_counters(&self, rail: usize) -> Result<nf_rail_counters> {
+        self.core.rail_counters.get(rail).map(|c| c.snapshot()).ok_or_else(|| Error::NotFound(format!("rail {rail}")))
+    }
+
+    fn lock_driver(&self) -> std::sync::MutexGuard<'_, Driver> {
+        self.driver.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` where the rails are owned: on the progress thread (waiting at most the
+    /// configured timeout), or here under the driver lock when there is no thread.
+    fn on_driver<R: Send + 'static>(&self, what: &str, f: impl FnOnce(&mut Driver) -> R + Send + 'static) -> Result<R> {
+        if self.shut.load(Ordering::Acquire) {
+            return Err(Error::NotAllowed("engine is shut down".into()));
+        }
+        if !self.threaded {
+            return Ok(f(&mut self.lock_driver()));
+        }
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.core.submit(Submit::Task(Box::new(move |d| {
+            let _ = tx.send(f(d));
+        })));
+        rx.recv_timeout(self.core.cfg.timeout())
+            .map_err(|_| Error::Timeout(format!("{what}: the progress thread did not answer")))
+    }
+
+    /// Runs one pass here when there is no progress thread; wakes the thread otherwise.
+    pub fn progress(&self) {
+        if self.threaded {
+            self.core.wake();
+        } else if !self.shut.load(Ordering::Acquire) {
+            self.lock_driver().pass();
+        }
+    }
+
+    pub fn register(&self, addr: u64, len: u64, kind: MemKind, dev_id: u64) -> Result<Arc<LocalMem>> {
+        if addr == 0 || len == 0 {
+            return Err(Error::InvalidParam(format!("cannot register address {addr:#x} with length {len}")));
+        }
+        if addr.checked_add(len).is_none() {
+            return Err(Error::InvalidParam("registration wraps the address space".into()));
+        }
+        if kind == MemKind::Vram {
+            return Err(Error::NotSupported("VRAM registration needs the CUDA driver (not available in this build)".into()));
+        }
+        let mrs = self.on_driver("registering memory", move |d| d.register(addr, len, None))??;
+        log::debug!("{}: registered {kind:?} [{addr:#x}, +{len})", self.core.name);
+        Ok(Arc::new(LocalMem::new(self.core.engine_id, addr, len, kind, dev_id, mrs, self.core.closeq.clone())))
+    }
+
+    pub fn public_data(&self, mem: &LocalMem) -> Result<Vec<u8>> {
+        if mem.engine_id != self.core.engine_id {
+            return Err(Error::InvalidParam("registration belongs to another engine".into()));
+        }
+        Ok(mem.public(self.shapes[0].virt_addr).encode())
+    }
+
+    pub fn load_conn_info(&self, name: &str, blob: &[u8]) -> Result<()> {
+        if name == self.core.name {
+            if blob == self.conn_info() {
+                return Ok(());
+            }
+            return Err(Error::InvalidParam(format!("connection info for our own name '{name}' is not ours")));
+        }
+        let info = ConnInfo::decode(blob)?;
+        let ours = &self.core.conn_info;
+        let our0 = ConnInfo::decode(ours)?.rails.remove(0).provider;
+        if info.rails[0].provider != our0 {
+            return Err(Error::NotSupported(format!(
+                "agent '{name}' uses provider {}, this engine uses {our0}", info.rails[0].provider
+            )));
+        }
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = peers.get(name) {
+            if old.raw == blob {
+                return Ok(());
+            }
+            log::info!("{}: agent '{name}' has new connection info (restarted); replacing", self.core.name);
+            old.mark_disconnected();
+            let id = old.id;
+            self.core.submit(Submit::Task(Box::new(move |d| d.disconnect(id))));
+        }
+        let id = self.next_peer_id.fetch_add(1, Ordering::Relaxed);
+        peers.insert(name.to_string(), Arc::new(Peer::new(id, name, info, blob.to_vec())));
+        Ok(())
+    }
+
+    fn peer(&self, name: &str) -> Result<Arc<Peer>> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(format!("unknown agent '{name}' (load its connection info first)")))
+    }
+
+    pub fn connect(&self, name: &str) -> Result<()> {
+        if name == self.core.name {
+            return Ok(());
+        }
+        let p = self.peer(name)?;
+        self.core.submit(Submit::Task(Box::new(move |d| {
+            if let Err(e) = d.ensure_conn(&p) {
+                log::error!("connecting to agent '{}': {e}", p.name);
+            }
+        })));
+        Ok(())
+    }
+
+    pub fn disconnect(&self, name: &str) -> Result<()> {
+        if name == self.core.name {
+            return Ok(());
+        }
+        let p = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name)
+            .ok_or_else(|| Error::NotFound(format!("unknown agent '{name}'")))?;
+        p.mark_disconnected();
+        let id = p.id;
+        self.core.submit(Submit::Task(Box::new(move |d| d.disconnect(id))));
+        self.progress();
+        Ok(())
+    }
+
+    pub fn load_remote(&self, name: &str, blob: &[u8]) -> Result<Arc<RemoteMem>> {
+        let peer = self.peer(name)?;
+        let desc = MemDesc::decode(blob)?;
+        if desc.engine_id != peer.info.engine_id {
+            return Err(Error::InvalidParam(format!(
+                "memory descriptor is from engine {:016x}, but agent '{name}' is engine {:016x}",
+                desc.engine_id, peer.info.engine_id
+            )));
+        }
+        if desc.keys.len() != peer.info.rails.len() {
+            return Err(Error::InvalidParam(format!(
+                "memory descriptor has {} rail keys, agent '{name}' has {} rails", desc.keys.len(), peer.info.rails.len()
+            )));
+        }
+        Ok(Arc::new(RemoteMem::Peer { peer, desc }))
+    }
+
+    pub fn self_target(&self, mem: &Arc<LocalMem>) -> Result<Arc<RemoteMem>> {
+        if mem.engine_id != self.core.engine_id {
+            return Err(Error::InvalidParam("registration belongs to another engine".into()));
+        }
+        Ok(Arc::new(RemoteMem::Local(mem.clone())))
+    }
+
+    /// Checks every pair and cuts it into rail segments, once; posts reuse them.
+    pub fn prepare(&self, op: Op, pairs: &[Pair], peer_name: &str) -> Result<Arc<Request>> {
+        if pairs.is_empty() {
+            return Err(Error::InvalidParam("request has no descriptors".into()));
+        }
+        let target = if peer_name == self.core.name { Target::Local } else { Target::Peer(self.peer(peer_name)?) };
+        if let Target::Peer(p) = &target {
+            if p.is_disconnected() {
+                return Err(Error::Disconnected(format!("agent '{peer_name}' was disconnected")));
+            }
+        }
+        let nrails = self.shapes.len();
+        let stripe = self.core.cfg.striping_threshold.max(1);
+        let mut segs = Vec::with_capacity(pairs.len());
+        for (i, p) in pairs.iter().enumerate() {
+            let (la, ll, lm) = p.local;
+            let (ra, rl, rm) = p.remote;
+            if lm.engine_id != self.core.engine_id {
+                return Err(Error::InvalidParam(format!("local descriptor {i} is registered with another engine")));
+            }
+            if ll != rl {
+                return Err(Error::InvalidParam(format!("descriptor {i}: local length {ll} != remote length {rl}")));
+            }
+            lm.check(la, ll, &format!("local descriptor {i}"))?;
+            rm.check(ra, rl).map_err(|e| Error::InvalidParam(format!("descriptor {i}: {e}")))?;
+            if ll == 0 {
+                continue;
+            }
+            match (&target, &**rm) {
+                (Target::Local, RemoteMem::Local(m)) => {
+                    if m.engine_id != self.core.engine_id {
+                        return Err(Error::InvalidParam(format!("remote descriptor {i} is not ours")));
+                    }
+                    segs.push(Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0 });
+                }
+                (Target::Peer(peer), RemoteMem::Peer { peer: owner, desc }) => {
+                    if owner.id != peer.id {
+                        return Err(Error::InvalidParam(format!(
+                            "remote descriptor {i} belongs to agent '{}', not '{peer_name}'", owner.name
+                        )));
+                    }
+                    let rrails = desc.keys.len();
+                    let pieces = if ll >= stripe && nrails > 1 { nrails as u64 } else { 1 };
+                    let first = if pieces == 1 { self.rr.fetch_add(1, Ordering::Relaxed) % nrails } else { 0 };
+                    let piece = ll.div_ceil(pieces).next_multiple_of(4096);
+                    let mut off = 0;
+                    let mut j = 0;
+                    while off < ll {
+                        let rail = (first + j) % nrails;
+                        let rrail = rail % rrails;
+                        let mut plen = piece.min(ll - off);
+                        let max = self.shapes[rail].max_msg;
+                        let pend = off + plen;
+                        while off < pend {
+                            plen = (pend - off).min(max);
+                            let raddr = if desc.virt_addr { ra + off } else { ra - desc.base + off };
+                            segs.push(Seg {
+                                local: la + off,
+                                len: plen,
+                                raddr,
+                                rkey: desc.keys[rrail],
+                                desc: lm.descs[rail],
+                                rail: rail as u16,
+                                rrail: rrail as u16,
+                            });
+                            off += plen;
+                        }
+                        j += 1;
+                    }
+                }
+                (Target::Local, RemoteMem::Peer { peer, .. }) => {
+                    return Err(Error::InvalidParam(format!(
+                        "loopback request, but remote descriptor {i} belongs to agent '{}'", peer.name
+                    )))
+                }
+                (Target::Peer(_), RemoteMem::Local(_)) => {
+                    return Err(Error::InvalidParam(format!(
+                        "remote descriptor {i} is our own memory, but the request targets agent '{peer_name}'"
+                    )))
+                }
+            }
+        }
+        let local = dedup_arcs(pairs.iter().map(|p| p.local.2.clone()));
+        let remote = dedup_arcs(pairs.iter().map(|p| p.remote.2.clone()));
+        Ok(Arc::new(Request::new(op, target, segs, local, remote)))
+    }
+
+    /// Posts a request without waiting for it. Returns IN_PROG, or SUCCESS/an error when
+    /// it finished during the call (loopback, or inline progress with the thread off).
+    pub fn post(&self, req: &Arc<Request>, notif: Option<Vec<u8>>) -> Result<Status> {
+        if self.shut.load(Ordering::Acquire) {
+            return Err(Error::NotAllowed("engine is shut down".into()));
+        }
+        if let Some(m) = &notif {
+            if m.len() as u64 > self.core.cfg.max_notif_size {
+                return Err(Error::InvalidParam(format!(
+                    "notification of {} bytes exceeds max_notif_size {}", m.len(), self.core.cfg.max_notif_size
+                )));
+            }
+        }
+        if let Some(p) = req.peer() {
+            if p.is_disconnected() {
+                return Err(Error::Disconnected(format!("agent '{}' was disconnected", p.name)));
+            }
+        }
+        {
+            let mut st = req.state();
+            if req.status() == Status::NF_IN_PROG || matches!(st.phase, Phase::Data | Phase::Notif) {
+                return Ok(Status::NF_ERR_REPOST_ACTIVE);
+            }
+            st.epoch += 1;
+            st.next = 0;
+            st.outstanding = 0;
+            st.notif = notif;
+            st.error = None;
+            st.cancelled = false;
+            st.phase = Phase::Data;
+            st.last_progress = Instant::now();
+            req.set_status(Status::NF_IN_PROG);
+        }
+        counters::add(&self.core.counters.requests_posted, 1);
+        self.core.submit(Submit::Post(req.clone()));
+        if !self.threaded {
+            self.lock_driver().pass();
+        }
+        Ok(req.status())
+    }
+
+    pub fn check(&self, req: &Request) -> Status {
+        let s = req.status();
+        if s == Status::NF_IN_PROG && !self.threaded && !self.shut.load(Ordering::Acquire) {
+            self.lock_driver().pass();
+            return req.status();
+        }
+        s
+    }
+
+    /// Cancels a running request and waits (bounded) until the provider owns none of its
+    /// operations. Returns whether it drained; the request is safe to drop either way.
+    pub fn release(&self, req: &Arc<Request>) -> bool {
+        {
+            let mut st = req.state();
+            if matches!(st.phase, Phase::Data | Phase::Notif) {
+                st.cancelled = true;
+            }
+        }
+        let deadline = Instant::now() + self.core.cfg.timeout();
+        loop {
+            {
+                let st = req.state();
+                if st.inflight_total == 0 && !matches!(st.phase, Phase::Data | Phase::Notif) {
+                    return true;
+                }
+            }
+            if Instant::now() > deadline || self.shut.load(Ordering::Acquire) {
+                log::warn!("{}: releasing a request whose operations did not drain within the timeout", self.core.name);
+                return false;
+            }
+            if self.threaded {
+                self.core.wake();
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                self.lock_driver().pass();
+            }
+        }
+    }
+
+    pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
+        if !self.threaded && !self.shut.load(Ordering::Acquire) {
+            self.lock_driver().pass();
+        }
+        self.core.take_notifs()
+    }
+
+    pub fn send_notif(&self, name: &str, msg: &[u8]) -> Result<()> {
+        if msg.len() as u64 > self.core.cfg.max_notif_size {
+            return Err(Error::InvalidParam(format!(
+                "notification of {} bytes exceeds max_notif_size {}", msg.len(), self.core.cfg.max_notif_size
+            )));
+        }
+        if name == self.core.name {
+            self.core.push_notif(name.to_string(), msg.to_vec());
+            return Ok(());
+        }
+        let p = self.peer(name)?;
+        let msg = msg.to_vec();
+        self.on_driver("sending a notification", move |d| d.send_ctrl(&p, wire::CtrlType::Notif, &msg, None))??;
+        self.progress();
+        Ok(())
+    }
+
+    /// Stops the progress thread, fails what is in flight and closes the rails' users.
+    pub fn shutdown(&self) {
+        if self.shut.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.stop.store(true, Ordering::Release);
+        self.core.set_sleeping(true);
+        self.core.wake();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            if t.join().is_err() {
+                log::error!("{}: progress thread panicked", self.core.name);
+            }
+        }
+        let mut d = self.lock_driver();
+        // Give queued control messages (a last notification) a brief, bounded chance.
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while d.pass() && Instant::now() < deadline {}
+        d.cancel_all();
+        drop(CloseQueue::close(&self.core.closeq));
+        log::info!("{}: engine shut down", self.core.name);
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

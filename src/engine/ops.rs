@@ -1,0 +1,116 @@
+//! The pool of operation contexts handed to libfabric. Each posted operation carries a
+//! pointer to one slot; the slot's first bytes are the provider's scratch space
+//! (FI_CONTEXT/FI_CONTEXT2), the rest says what the completion belongs to. Slots are boxed
+//! so their addresses stay put while the pool grows, and recycled, so posting allocates
+//! nothing once the pool is warm.
+use super::request::Request;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+pub enum OpKind {
+    Free,
+    /// An RMA read or write of request `req`, posted in its post number `epoch`.
+    Rma { req: Arc<Request>, epoch: u64, rail: u16, len: u64 },
+    /// A control message leaving from send buffer `buf`, possibly completing a request's
+    /// notification phase.
+    Send { buf: u32, req: Option<(Arc<Request>, u64)> },
+    /// A pre-posted control receive into buffer `buf`.
+    Recv { buf: u32 },
+}
+
+#[repr(C)]
+pub struct OpCtx {
+    /// Scratch the provider may use while it owns the operation (fi_context2 is 8 words).
+    scratch: [*mut c_void; 8],
+    index: u32,
+    pub kind: OpKind,
+}
+
+#[derive(Default)]
+pub struct OpPool {
+    slots: Vec<Box<OpCtx>>,
+    free: Vec<u32>,
+    in_use: usize,
+}
+
+// SAFETY: the pool is owned by the driver; the scratch pointers are only written by the
+// provider while it owns a slot.
+unsafe impl Send for OpPool {}
+
+impl OpPool {
+    pub fn with_capacity(n: usize) -> OpPool {
+        let mut p = OpPool::default();
+        p.grow(n);
+        p
+    }
+
+    fn grow(&mut self, n: usize) {
+        let start = self.slots.len() as u32;
+        for i in 0..n as u32 {
+            self.slots.push(Box::new(OpCtx { scratch: [std::ptr::null_mut(); 8], index: start + i, kind: OpKind::Free }));
+        }
+        self.free.extend((start..start + n as u32).rev());
+    }
+
+    /// A context pointer for a new operation of `kind`.
+    pub fn alloc(&mut self, kind: OpKind) -> *mut c_void {
+        if self.free.is_empty() {
+            self.grow(self.slots.len().max(64));
+        }
+        let i = self.free.pop().expect("pool grew") as usize;
+        let slot = &mut self.slots[i];
+        slot.kind = kind;
+        slot.scratch = [std::ptr::null_mut(); 8];
+        self.in_use += 1;
+        &mut **slot as *mut OpCtx as *mut c_void
+    }
+
+    /// Returns the slot of a context pointer to the pool and gives back what it was for.
+    /// A pointer that is not one of ours yields None (and is logged by the caller).
+    pub fn release(&mut self, ctx: *mut c_void) -> Option<OpKind> {
+        if ctx.is_null() {
+            return None;
+        }
+        // SAFETY: we only read the index after checking the pointer is exactly the address
+        // of the slot with that index, so a foreign pointer is never dereferenced further
+        // than the index field of something the provider handed back to us.
+        let index = unsafe { (*(ctx as *const OpCtx)).index } as usize;
+        let slot = self.slots.get_mut(index)?;
+        if &mut **slot as *mut OpCtx as *mut c_void != ctx {
+            return None;
+        }
+        let kind = std::mem::replace(&mut slot.kind, OpKind::Free);
+        if matches!(kind, OpKind::Free) {
+            return None;
+        }
+        self.free.push(index as u32);
+        self.in_use -= 1;
+        Some(kind)
+    }
+
+    pub fn in_use(&self) -> usize {
+        self.in_use
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn slots_recycle_and_foreign_pointers_are_refused() {
+        let mut p = OpPool::with_capacity(2);
+        let a = p.alloc(OpKind::Recv { buf: 1 });
+        let b = p.alloc(OpKind::Recv { buf: 2 });
+        let c = p.alloc(OpKind::Recv { buf: 3 });
+        assert_eq!(p.in_use(), 3);
+        assert!(matches!(p.release(b), Some(OpKind::Recv { buf: 2 })));
+        assert!(p.release(b).is_none(), "double release");
+        assert!(p.release(std::ptr::null_mut()).is_none());
+        let d = p.alloc(OpKind::Recv { buf: 4 });
+        assert_eq!(d, b, "freed slot reused");
+        for x in [a, c, d] {
+            assert!(p.release(x).is_some());
+        }
+        assert_eq!(p.in_use(), 0);
+    }
+}

@@ -1,0 +1,69 @@
+//! The progress thread: the driver's only owner while it runs (rule 3). It passes without
+//! pause while work is outstanding, and when idle sleeps on the CQ wait fds (where the
+//! provider offers them) and the engine's wake-up eventfd, bounded by the idle delay.
+use super::core::Core;
+use super::driver::{Driver, Idle};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+/// Idle passes spent spinning before the thread sleeps: a request usually follows soon.
+const SPIN_PASSES: u32 = 200;
+
+pub fn spawn(core: Arc<Core>, driver: Arc<Mutex<Driver>>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("nf-progress-{}", core.name.chars().take(4).collect::<String>()))
+        .spawn(move || run(&core, &driver, &stop))
+}
+
+fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
+    let idle_ms = match core.cfg.progress_delay_us {
+        0 => 1,
+        us => us.div_ceil(1000).max(1) as i32,
+    };
+    let mut idle = 0u32;
+    while !stop.load(Ordering::Acquire) {
+        let busy = {
+            let mut d = driver.lock().unwrap_or_else(|p| p.into_inner());
+            // A panic in a pass must not kill progress for every later request.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.pass())) {
+                Ok(b) => b,
+                Err(_) => {
+                    log::error!("{}: progress pass panicked; continuing", core.name);
+                    true
+                }
+            }
+        };
+        if busy {
+            idle = 0;
+            continue;
+        }
+        idle += 1;
+        if idle < SPIN_PASSES {
+            std::thread::yield_now();
+            continue;
+        }
+        core.set_sleeping(true);
+        if core.has_submitted() || stop.load(Ordering::Acquire) {
+            core.set_sleeping(false);
+            continue;
+        }
+        let fds = driver.lock().unwrap_or_else(|p| p.into_inner()).idle_fds();
+        let mut pfds = vec![libc::pollfd { fd: core.wake_fd, events: libc::POLLIN, revents: 0 }];
+        let timeout = match &fds {
+            Idle::Fds(f) => {
+                pfds.extend(f.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }));
+                idle_ms.max(10)
+            }
+            Idle::NoFds => idle_ms,
+            Idle::Busy => {
+                core.set_sleeping(false);
+                continue;
+            }
+        };
+        // SAFETY: pfds is a valid array of pollfd for the call.
+        unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout) };
+        core.clear_wake();
+        core.set_sleeping(false);
+    }
+}

@@ -1,0 +1,154 @@
+//! Local registrations and transfer targets (a peer's registration, or one of our own for
+//! loopback), with the bounds checks every descriptor goes through.
+use super::peer::Peer;
+use super::wire::MemDesc;
+use crate::error::{Error, Result};
+use crate::fabric::MemoryRegion;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Memory types we know (NIXL's numbering).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemKind {
+    Dram = 0,
+    Vram = 1,
+}
+
+impl MemKind {
+    pub fn from_raw(v: u32) -> Result<MemKind> {
+        match v {
+            0 => Ok(MemKind::Dram),
+            1 => Ok(MemKind::Vram),
+            x => Err(Error::NotSupported(format!("memory type {x} (only DRAM 0 and VRAM 1)"))),
+        }
+    }
+}
+
+/// MRs whose owner went away, waiting to be closed by whoever owns the rails (closing an
+/// MR touches the domain, which rule 3 gives to one owner). Once the rails are gone the
+/// queue is `closed` and late MRs are dropped on the spot.
+#[derive(Default)]
+pub struct CloseQueue {
+    closed: bool,
+    items: Vec<MemoryRegion>,
+}
+
+pub type SharedCloseQueue = Arc<Mutex<CloseQueue>>;
+
+impl CloseQueue {
+    pub fn push(q: &SharedCloseQueue, mrs: Vec<MemoryRegion>) {
+        let mut g = q.lock().unwrap_or_else(|p| p.into_inner());
+        if g.closed {
+            drop(g);
+            drop(mrs);
+        } else {
+            g.items.extend(mrs);
+        }
+    }
+    pub fn drain(q: &SharedCloseQueue) -> Vec<MemoryRegion> {
+        std::mem::take(&mut q.lock().unwrap_or_else(|p| p.into_inner()).items)
+    }
+    pub fn close(q: &SharedCloseQueue) -> Vec<MemoryRegion> {
+        let mut g = q.lock().unwrap_or_else(|p| p.into_inner());
+        g.closed = true;
+        std::mem::take(&mut g.items)
+    }
+}
+
+/// One local registration: the region and its MR on every rail.
+pub struct LocalMem {
+    pub engine_id: u64,
+    pub base: u64,
+    pub len: u64,
+    pub kind: MemKind,
+    pub dev_id: u64,
+    /// Per rail: MR key and local descriptor (NULL where the provider needs none).
+    pub keys: Vec<u64>,
+    pub descs: Vec<usize>,
+    mrs: Vec<MemoryRegion>,
+    closeq: SharedCloseQueue,
+}
+
+impl LocalMem {
+    pub fn new(engine_id: u64, base: u64, len: u64, kind: MemKind, dev_id: u64, mrs: Vec<MemoryRegion>, closeq: SharedCloseQueue) -> LocalMem {
+        LocalMem {
+            engine_id,
+            base,
+            len,
+            kind,
+            dev_id,
+            keys: mrs.iter().map(|m| m.key).collect(),
+            descs: mrs.iter().map(|m| m.desc as usize).collect(),
+            mrs,
+            closeq,
+        }
+    }
+
+    pub fn desc(&self, rail: usize) -> *mut c_void {
+        self.descs[rail] as *mut c_void
+    }
+
+    pub fn public(&self, virt_addr: bool) -> MemDesc {
+        MemDesc {
+            mem_type: self.kind as u8,
+            virt_addr,
+            engine_id: self.engine_id,
+            base: self.base,
+            len: self.len,
+            dev_id: self.dev_id,
+            keys: self.keys.clone(),
+        }
+    }
+
+    pub fn check(&self, addr: u64, len: u64, what: &str) -> Result<()> {
+        check_range(self.base, self.len, addr, len, what)
+    }
+}
+
+impl Drop for LocalMem {
+    fn drop(&mut self) {
+        CloseQueue::push(&self.closeq, std::mem::take(&mut self.mrs));
+    }
+}
+
+/// `[addr, addr+len)` must lie inside `[base, base+size)`; overflow is out of range too.
+pub fn check_range(base: u64, size: u64, addr: u64, len: u64, what: &str) -> Result<()> {
+    let end = addr.checked_add(len);
+    let limit = base.checked_add(size);
+    match (end, limit) {
+        (Some(e), Some(l)) if addr >= base && e <= l => Ok(()),
+        _ => Err(Error::InvalidParam(format!(
+            "{what} [{addr:#x}, +{len}) is outside its registration [{base:#x}, +{size})"
+        ))),
+    }
+}
+
+/// Where a transfer's remote side lives.
+pub enum RemoteMem {
+    /// A peer's registration, as described by its public descriptor.
+    Peer { peer: Arc<Peer>, desc: MemDesc },
+    /// One of our own registrations (loopback); keeps it alive.
+    Local(Arc<LocalMem>),
+}
+
+impl RemoteMem {
+    pub fn check(&self, addr: u64, len: u64) -> Result<()> {
+        match self {
+            RemoteMem::Peer { desc, .. } => check_range(desc.base, desc.len, addr, len, "remote descriptor"),
+            RemoteMem::Local(m) => m.check(addr, len, "remote (loopback) descriptor"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn ranges() {
+        assert!(check_range(100, 10, 100, 10, "x").is_ok());
+        assert!(check_range(100, 10, 105, 0, "x").is_ok());
+        assert!(check_range(100, 10, 99, 1, "x").is_err());
+        assert!(check_range(100, 10, 101, 10, "x").is_err());
+        assert!(check_range(100, 10, u64::MAX, 2, "x").is_err());
+    }
+}

@@ -1,0 +1,124 @@
+//! Transfer requests: descriptor pairs turned into rail segments once at preparation, then
+//! posted any number of times. The status is an atomic the caller polls; everything the
+//! driver tracks while a post is in flight sits in `ReqState`.
+use super::peer::Peer;
+use super::registry::{LocalMem, RemoteMem};
+use crate::error::{Error, Status};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+}
+
+/// One RMA operation: `len` bytes between local `local` and remote `raddr` (virtual
+/// address or offset, as the peer's descriptor says), on local rail `rail` toward remote
+/// rail `rrail`. For loopback requests `raddr` is our own address and no rail is used.
+#[derive(Clone, Copy, Debug)]
+pub struct Seg {
+    pub local: u64,
+    pub len: u64,
+    pub raddr: u64,
+    pub rkey: u64,
+    pub desc: usize,
+    pub rail: u16,
+    pub rrail: u16,
+}
+
+pub enum Target {
+    Peer(Arc<Peer>),
+    /// Loopback: the request's remote side is our own memory.
+    Local,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Idle,
+    /// RMA operations are being posted or are outstanding.
+    Data,
+    /// All data is delivered; the notification is being sent.
+    Notif,
+    Done,
+}
+
+/// Driver-side state of the current post.
+pub struct ReqState {
+    /// Bumped on every post; completions of an older post are only counted as drained.
+    pub epoch: u64,
+    /// Next segment to post.
+    pub next: usize,
+    /// Operations of the current epoch not yet completed.
+    pub outstanding: usize,
+    /// Operations of any epoch still owned by the provider.
+    pub inflight_total: usize,
+    pub notif: Option<Vec<u8>>,
+    pub error: Option<Error>,
+    pub last_progress: Instant,
+    pub phase: Phase,
+    pub cancelled: bool,
+}
+
+pub struct Request {
+    pub op: Op,
+    pub target: Target,
+    pub segs: Box<[Seg]>,
+    pub bytes: u64,
+    status: AtomicI32,
+    st: Mutex<ReqState>,
+    _local: Vec<Arc<LocalMem>>,
+    _remote: Vec<Arc<RemoteMem>>,
+}
+
+impl Request {
+    pub fn new(op: Op, target: Target, segs: Vec<Seg>, local: Vec<Arc<LocalMem>>, remote: Vec<Arc<RemoteMem>>) -> Request {
+        let bytes = segs.iter().map(|s| s.len).sum();
+        Request {
+            op,
+            target,
+            segs: segs.into_boxed_slice(),
+            bytes,
+            status: AtomicI32::new(Status::NF_SUCCESS.code()),
+            st: Mutex::new(ReqState {
+                epoch: 0,
+                next: 0,
+                outstanding: 0,
+                inflight_total: 0,
+                notif: None,
+                error: None,
+                last_progress: Instant::now(),
+                phase: Phase::Idle,
+                cancelled: false,
+            }),
+            _local: local,
+            _remote: remote,
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        Status::from_code(self.status.load(Ordering::Acquire))
+    }
+
+    pub fn set_status(&self, s: Status) {
+        self.status.store(s.code(), Ordering::Release)
+    }
+
+    pub fn state(&self) -> MutexGuard<'_, ReqState> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn peer(&self) -> Option<&Arc<Peer>> {
+        match &self.target {
+            Target::Peer(p) => Some(p),
+            Target::Local => None,
+        }
+    }
+}
+
+/// Keeps one Arc per distinct object (descriptor lists often repeat the same region).
+pub fn dedup_arcs<T>(v: impl Iterator<Item = Arc<T>>) -> Vec<Arc<T>> {
+    let mut seen = std::collections::HashSet::new();
+    v.filter(|a| seen.insert(Arc::as_ptr(a) as usize)).collect()
+}

@@ -1,0 +1,302 @@
+//! Our binary wire formats: connection info, public memory descriptors and control
+//! messages. Every blob from a peer is untrusted: parsed with bounds checks, versioned, and
+//! refused with an error that says what was wrong. Layouts are documented in the README.
+use crate::error::{Error, Result};
+
+pub const CONN_MAGIC: &[u8; 4] = b"NFCI";
+pub const MEM_MAGIC: &[u8; 4] = b"NFMD";
+pub const CTRL_MAGIC: &[u8; 2] = b"NF";
+pub const CONN_VERSION: u16 = 1;
+pub const MEM_VERSION: u16 = 1;
+pub const CTRL_VERSION: u8 = 1;
+
+pub const MAX_RAILS: usize = 64;
+pub const MAX_ADDR_LEN: usize = 1024;
+pub const MAX_NAME_LEN: usize = 4096;
+
+/// Little-endian writer for length-prefixed fields.
+#[derive(Default)]
+pub struct Writer(pub Vec<u8>);
+impl Writer {
+    fn u8(&mut self, v: u8) -> &mut Self { self.0.push(v); self }
+    fn u16(&mut self, v: u16) -> &mut Self { self.0.extend_from_slice(&v.to_le_bytes()); self }
+    fn u32(&mut self, v: u32) -> &mut Self { self.0.extend_from_slice(&v.to_le_bytes()); self }
+    fn u64(&mut self, v: u64) -> &mut Self { self.0.extend_from_slice(&v.to_le_bytes()); self }
+    fn bytes(&mut self, v: &[u8]) -> &mut Self { self.0.extend_from_slice(v); self }
+    fn short(&mut self, v: &[u8]) -> &mut Self { self.u16(v.len() as u16).bytes(v) }
+}
+
+/// Bounds-checked reader; every failure names the blob and the field.
+pub struct Reader<'a> { buf: &'a [u8], pos: usize, what: &'static str }
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8], what: &'static str) -> Self { Reader { buf, pos: 0, what } }
+    fn err(&self, why: String) -> Error { Error::Malformed { what: self.what, why } }
+    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
+            self.err(format!("truncated at {field} (offset {}, need {n} of {} bytes)", self.pos, self.buf.len()))
+        })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self, f: &str) -> Result<u8> { Ok(self.take(1, f)?[0]) }
+    fn u16(&mut self, f: &str) -> Result<u16> { Ok(u16::from_le_bytes(self.take(2, f)?.try_into().expect("2"))) }
+    fn u32(&mut self, f: &str) -> Result<u32> { Ok(u32::from_le_bytes(self.take(4, f)?.try_into().expect("4"))) }
+    fn u64(&mut self, f: &str) -> Result<u64> { Ok(u64::from_le_bytes(self.take(8, f)?.try_into().expect("8"))) }
+    fn short(&mut self, f: &str, max: usize) -> Result<&'a [u8]> {
+        let n = self.u16(f)? as usize;
+        if n > max {
+            return Err(self.err(format!("{f} length {n} exceeds {max}")));
+        }
+        self.take(n, f)
+    }
+    fn magic(&mut self, m: &[u8]) -> Result<()> {
+        let got = self.take(m.len(), "magic")?;
+        if got != m {
+            return Err(self.err(format!("bad magic {:02x?}", got)));
+        }
+        Ok(())
+    }
+    fn finish(&self) -> Result<()> {
+        if self.pos != self.buf.len() {
+            return Err(self.err(format!("{} trailing bytes", self.buf.len() - self.pos)));
+        }
+        Ok(())
+    }
+}
+
+/// One rail of a peer: its provider and endpoint address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RailAddr {
+    pub provider: String,
+    pub addr: Vec<u8>,
+}
+
+/// Everything a peer needs to reach an engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnInfo {
+    pub engine_id: u64,
+    pub host_id: [u8; 16],
+    pub agent: String,
+    pub rails: Vec<RailAddr>,
+}
+
+impl ConnInfo {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(CONN_MAGIC).u16(CONN_VERSION).u16(0).u64(self.engine_id).bytes(&self.host_id);
+        w.short(self.agent.as_bytes()).u16(self.rails.len() as u16);
+        for r in &self.rails {
+            w.short(r.provider.as_bytes()).short(&r.addr);
+        }
+        w.0
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<ConnInfo> {
+        let mut r = Reader::new(buf, "connection info");
+        r.magic(CONN_MAGIC)?;
+        let v = r.u16("version")?;
+        if v != CONN_VERSION {
+            return Err(Error::Version { what: "connection info", ours: CONN_VERSION, theirs: v });
+        }
+        let _flags = r.u16("flags")?;
+        let engine_id = r.u64("engine id")?;
+        let host_id: [u8; 16] = r.take(16, "host id")?.try_into().expect("16");
+        let agent = utf8(r.short("agent name", MAX_NAME_LEN)?, "connection info", "agent name")?;
+        let n = r.u16("rail count")? as usize;
+        if n == 0 || n > MAX_RAILS {
+            return Err(Error::Malformed { what: "connection info", why: format!("rail count {n} not in 1..={MAX_RAILS}") });
+        }
+        let mut rails = Vec::with_capacity(n);
+        for _ in 0..n {
+            let provider = utf8(r.short("provider", 64)?, "connection info", "provider")?;
+            let addr = r.short("address", MAX_ADDR_LEN)?.to_vec();
+            if addr.is_empty() {
+                return Err(Error::Malformed { what: "connection info", why: "empty rail address".into() });
+            }
+            rails.push(RailAddr { provider, addr });
+        }
+        r.finish()?;
+        Ok(ConnInfo { engine_id, host_id, agent, rails })
+    }
+}
+
+fn utf8(b: &[u8], what: &'static str, field: &str) -> Result<String> {
+    String::from_utf8(b.to_vec()).map_err(|_| Error::Malformed { what, why: format!("{field} is not UTF-8") })
+}
+
+/// The public description of one registration: what a peer needs to address it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemDesc {
+    pub mem_type: u8,
+    /// Remote addresses are virtual addresses (else offsets from `base`).
+    pub virt_addr: bool,
+    pub engine_id: u64,
+    pub base: u64,
+    pub len: u64,
+    pub dev_id: u64,
+    pub keys: Vec<u64>,
+}
+
+impl MemDesc {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(MEM_MAGIC).u16(MEM_VERSION).u8(self.mem_type).u8(self.virt_addr as u8);
+        w.u64(self.engine_id).u64(self.base).u64(self.len).u64(self.dev_id).u16(self.keys.len() as u16);
+        for k in &self.keys {
+            w.u64(*k);
+        }
+        w.0
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<MemDesc> {
+        let mut r = Reader::new(buf, "memory descriptor");
+        r.magic(MEM_MAGIC)?;
+        let v = r.u16("version")?;
+        if v != MEM_VERSION {
+            return Err(Error::Version { what: "memory descriptor", ours: MEM_VERSION, theirs: v });
+        }
+        let mem_type = r.u8("memory type")?;
+        let flags = r.u8("flags")?;
+        if flags > 1 {
+            return Err(Error::Malformed { what: "memory descriptor", why: format!("unknown flags {flags:#x}") });
+        }
+        let engine_id = r.u64("engine id")?;
+        let base = r.u64("base")?;
+        let len = r.u64("length")?;
+        let dev_id = r.u64("device id")?;
+        if base.checked_add(len).is_none() {
+            return Err(Error::Malformed { what: "memory descriptor", why: "base + length overflows".into() });
+        }
+        let n = r.u16("key count")? as usize;
+        if n == 0 || n > MAX_RAILS {
+            return Err(Error::Malformed { what: "memory descriptor", why: format!("key count {n} not in 1..={MAX_RAILS}") });
+        }
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            keys.push(r.u64("key")?);
+        }
+        r.finish()?;
+        Ok(MemDesc { mem_type, virt_addr: flags & 1 != 0, engine_id, base, len, dev_id, keys })
+    }
+}
+
+/// Control message types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CtrlType {
+    /// First message to a peer: payload is the sender's connection info.
+    Hello = 1,
+    /// A notification: payload is the user's message.
+    Notif = 2,
+}
+
+/// A decoded control message (borrowing the receive buffer).
+#[derive(Debug)]
+pub struct Ctrl<'a> {
+    pub kind: CtrlType,
+    pub sender_id: u64,
+    pub sender: &'a str,
+    pub payload: &'a [u8],
+}
+
+pub const CTRL_HEADER: usize = 2 + 1 + 1 + 8 + 2 + 4;
+
+pub fn encode_ctrl(kind: CtrlType, sender_id: u64, sender: &str, payload: &[u8]) -> Vec<u8> {
+    let mut w = Writer(Vec::with_capacity(CTRL_HEADER + sender.len() + payload.len()));
+    w.bytes(CTRL_MAGIC).u8(CTRL_VERSION).u8(kind as u8).u64(sender_id);
+    w.u16(sender.len() as u16).u32(payload.len() as u32).bytes(sender.as_bytes()).bytes(payload);
+    w.0
+}
+
+pub fn decode_ctrl(buf: &[u8]) -> Result<Ctrl<'_>> {
+    let mut r = Reader::new(buf, "control message");
+    r.magic(CTRL_MAGIC)?;
+    let v = r.u8("version")?;
+    if v != CTRL_VERSION {
+        return Err(Error::Version { what: "control message", ours: CTRL_VERSION as u16, theirs: v as u16 });
+    }
+    let kind = match r.u8("type")? {
+        1 => CtrlType::Hello,
+        2 => CtrlType::Notif,
+        t => return Err(Error::Malformed { what: "control message", why: format!("unknown type {t}") }),
+    };
+    let sender_id = r.u64("sender id")?;
+    let nlen = r.u16("sender length")? as usize;
+    let plen = r.u32("payload length")? as usize;
+    let name = r.take(nlen, "sender")?;
+    let sender = std::str::from_utf8(name)
+        .map_err(|_| Error::Malformed { what: "control message", why: "sender is not UTF-8".into() })?;
+    let payload = r.take(plen, "payload")?;
+    r.finish()?;
+    Ok(Ctrl { kind, sender_id, sender, payload })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn() -> ConnInfo {
+        ConnInfo {
+            engine_id: 7,
+            host_id: [3; 16],
+            agent: "a".into(),
+            rails: vec![RailAddr { provider: "tcp;ofi_rxm".into(), addr: vec![1, 2, 3] }],
+        }
+    }
+
+    #[test]
+    fn conn_round_trip_and_truncation() {
+        let c = conn();
+        let b = c.encode();
+        assert_eq!(ConnInfo::decode(&b).unwrap(), c);
+        for n in 0..b.len() {
+            assert!(ConnInfo::decode(&b[..n]).is_err(), "prefix {n} accepted");
+        }
+        let mut extra = b.clone();
+        extra.push(0);
+        assert!(ConnInfo::decode(&extra).is_err());
+    }
+
+    #[test]
+    fn version_mismatch_names_both() {
+        let mut b = conn().encode();
+        b[4] = 9;
+        let e = ConnInfo::decode(&b).unwrap_err();
+        assert!(matches!(e, Error::Version { ours: 1, theirs: 9, .. }));
+        assert!(e.to_string().contains("version 9") && e.to_string().contains("version 1"));
+    }
+
+    #[test]
+    fn mem_round_trip_and_overflow() {
+        let m = MemDesc { mem_type: 0, virt_addr: true, engine_id: 1, base: 4096, len: 100, dev_id: 0, keys: vec![5, 6] };
+        let b = m.encode();
+        assert_eq!(MemDesc::decode(&b).unwrap(), m);
+        for n in 0..b.len() {
+            assert!(MemDesc::decode(&b[..n]).is_err());
+        }
+        let bad = MemDesc { base: u64::MAX, ..m }.encode();
+        assert!(MemDesc::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn ctrl_round_trip() {
+        let b = encode_ctrl(CtrlType::Notif, 9, "init", b"hello");
+        let c = decode_ctrl(&b).unwrap();
+        assert_eq!((c.kind, c.sender_id, c.sender, c.payload), (CtrlType::Notif, 9, "init", &b"hello"[..]));
+        for n in 0..b.len() {
+            assert!(decode_ctrl(&b[..n]).is_err());
+        }
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        let mut x: u64 = 0x1234_5678;
+        for len in 0..300 {
+            let buf: Vec<u8> = (0..len).map(|_| { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x as u8 }).collect();
+            let _ = ConnInfo::decode(&buf);
+            let _ = MemDesc::decode(&buf);
+            let _ = decode_ctrl(&buf);
+        }
+    }
+}

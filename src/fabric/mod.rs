@@ -1,0 +1,41 @@
+//! Safe wrappers over libfabric: the only module that calls it. Each fid type has an owning
+//! wrapper that closes it on drop and holds its parent alive, so teardown order follows
+//! ownership.
+mod sys;
+mod info;
+mod resources;
+mod rail;
+
+pub use info::{discover, provider_list, ProviderSummary, RailSpec};
+pub use rail::{Completion, CqError, MemoryRegion, Posted, Rail, RailCaps};
+
+/// libfabric's address handle of a peer endpoint in one rail's address vector.
+pub type FiAddr = u64;
+
+/// The API version we ask for: 1.17 is the oldest we build against; 2.x accepts it.
+pub(crate) const API_VERSION: u32 = (1 << 16) | 17;
+
+/// The runtime library's version, e.g. "1.17".
+pub fn library_version() -> String {
+    // SAFETY: fi_version takes no arguments and only reads constants.
+    let v = unsafe { sys::fi_version() };
+    format!("{}.{}", v >> 16, v & 0xffff)
+}
+
+/// libfabric's text for a (positive) error number.
+pub(crate) fn strerror(code: i32) -> String {
+    // SAFETY: fi_strerror returns a pointer to a static string for any value.
+    unsafe {
+        let p = sys::fi_strerror(code.abs());
+        if p.is_null() {
+            return format!("error {code}");
+        }
+        std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+    }
+}
+
+/// Builds the error value for a failed libfabric call.
+pub(crate) fn fab_err(op: &'static str, rail: Option<usize>, ret: i64) -> crate::error::Error {
+    let code = ret as i32;
+    crate::error::Error::Fabric { op, rail, code, detail: strerror(code) }
+}

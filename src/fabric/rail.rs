@@ -1,0 +1,316 @@
+//! A rail: one fabric/domain/endpoint/CQ/AV, with the settings negotiated for it and the
+//! data-path calls the engine makes on it.
+use super::resources::{Av, Cq, Domain, Endpoint, Fabric};
+use super::{fab_err, strerror, sys, FiAddr, RailSpec};
+use crate::error::{Error, Result};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// What the provider granted for this rail (from the fi_info it returned).
+#[derive(Clone, Debug)]
+pub struct RailCaps {
+    pub prov_name: String,
+    pub domain_name: String,
+    /// Local buffers need an MR descriptor (FI_MR_LOCAL).
+    pub mr_local: bool,
+    /// Remote addresses are virtual addresses (else offsets into the region).
+    pub virt_addr: bool,
+    /// The provider chooses MR keys (else we do).
+    pub prov_key: bool,
+    pub mr_key_size: usize,
+    pub inject_size: usize,
+    pub max_msg_size: u64,
+    pub tx_size: usize,
+    pub rx_size: usize,
+    pub delivery_complete: bool,
+    pub cq_data_size: usize,
+    pub needs_context: bool,
+    pub hmem: bool,
+    pub threading: u32,
+}
+
+/// One completion entry: the context we posted with, its flags, and the received length.
+#[derive(Clone, Copy)]
+pub struct Completion {
+    pub ctx: *mut c_void,
+    pub flags: u64,
+    pub len: usize,
+}
+
+/// A completion that reported an error.
+pub struct CqError {
+    pub ctx: *mut c_void,
+    pub errno: i32,
+    pub detail: String,
+}
+
+/// Outcome of posting: accepted, or the queue is full right now (FI_EAGAIN).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Posted {
+    Ok,
+    Again,
+}
+
+/// A registered memory region on one rail's domain. Closing it touches the domain, so the
+/// engine drops these only where it owns the rail (see engine::registry).
+pub struct MemoryRegion {
+    raw: *mut sys::fid_mr,
+    pub desc: *mut c_void,
+    pub key: u64,
+    _domain: Arc<Domain>,
+}
+// SAFETY: desc and key are plain values readable anywhere; close happens on drop by the
+// rail's owner.
+unsafe impl Send for MemoryRegion {}
+unsafe impl Sync for MemoryRegion {}
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: raw is a live MR closed exactly once.
+        let ret = unsafe { sys::nf_fi_close(&mut (*self.raw).fid) };
+        if ret != 0 {
+            log::warn!("fi_close(mr) failed: {}", strerror(ret));
+        }
+    }
+}
+
+pub struct Rail {
+    pub index: usize,
+    pub caps: RailCaps,
+    /// This endpoint's address, as peers insert it into their AV.
+    pub name: Vec<u8>,
+    ep: Endpoint,
+    cq: Arc<Cq>,
+    av: Arc<Av>,
+    domain: Arc<Domain>,
+    fabric: Arc<Fabric>,
+    wait_fd: Option<i32>,
+    _spec: RailSpec,
+}
+
+// SAFETY: a rail is only used by its single owner at a time (engine rule 3); the
+// provider objects themselves may move between threads.
+unsafe impl Send for Rail {}
+unsafe impl Sync for Rail {}
+
+fn flag(v: u64, f: u64) -> bool {
+    v & f != 0
+}
+
+impl Rail {
+    /// Opens every object of the rail in dependency order.
+    pub fn open(spec: &RailSpec, index: usize, want_wait_fd: bool) -> Result<Rail> {
+        let spec = spec.clone();
+        let info = spec.info;
+        // SAFETY: info is an owned, valid fi_info.
+        let caps = unsafe {
+            let i = &*info;
+            let d = &*i.domain_attr;
+            let tx = &*i.tx_attr;
+            let rx = &*i.rx_attr;
+            let ep = &*i.ep_attr;
+            let mr = d.mr_mode as u64;
+            RailCaps {
+                prov_name: spec.prov_name.clone(),
+                domain_name: spec.domain_name.clone(),
+                mr_local: flag(mr, sys::FI_MR_LOCAL as u64),
+                virt_addr: flag(mr, sys::FI_MR_VIRT_ADDR as u64),
+                prov_key: flag(mr, sys::FI_MR_PROV_KEY as u64),
+                mr_key_size: d.mr_key_size,
+                inject_size: tx.inject_size,
+                max_msg_size: ep.max_msg_size as u64,
+                tx_size: tx.size.max(1),
+                rx_size: rx.size.max(1),
+                delivery_complete: spec.delivery_complete,
+                cq_data_size: d.cq_data_size,
+                needs_context: flag(i.mode, (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64),
+                hmem: flag(i.caps, sys::FI_HMEM),
+                threading: d.threading,
+            }
+        };
+        let fabric = Fabric::open(info, index)?;
+        let domain = Domain::open(&fabric, info, index)?;
+        let cq_size = (caps.tx_size + caps.rx_size).max(256);
+        let cq = match Cq::open(&domain, cq_size, want_wait_fd, index) {
+            Ok(cq) => cq,
+            Err(e) if want_wait_fd => {
+                log::debug!("rail {index}: no CQ wait fd ({e}); the progress thread will poll");
+                Cq::open(&domain, cq_size, false, index)?
+            }
+            Err(e) => return Err(e),
+        };
+        let wait_fd = if want_wait_fd { cq.wait_fd() } else { None };
+        let av = Av::open(&domain, index)?;
+        let ep = Endpoint::open(&domain, info, &cq, &av, index)?;
+        let name = ep.name(index)?;
+        log::info!(
+            "rail {index}: provider {} domain {} fabric {} mr_local={} virt_addr={} prov_key={} \
+             inject={} tx={} rx={} delivery_complete={} cq_data={} context={} hmem={} wait_fd={}",
+            caps.prov_name, caps.domain_name, spec.fabric_name, caps.mr_local, caps.virt_addr,
+            caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete,
+            caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
+        );
+        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, _spec: spec })
+    }
+
+    /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
+    /// provider does not choose keys. `hmem` is (FI_HMEM iface, device) for device memory.
+    pub fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<MemoryRegion> {
+        let iov = libc::iovec { iov_base: addr as *mut c_void, iov_len: len };
+        let mut attr = sys::fi_mr_attr {
+            mr_iov: &iov as *const libc::iovec as *const sys::iovec,
+            iov_count: 1,
+            access: (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE
+                | sys::FI_SEND | sys::FI_RECV) as u64,
+            requested_key: key,
+            ..Default::default()
+        };
+        let mut flags = 0u64;
+        if let Some((iface, dev)) = hmem {
+            attr.iface = iface;
+            attr.device.cuda = dev;
+            flags |= sys::FI_HMEM_DEVICE_ONLY as u64;
+        }
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: domain is live; attr points at a valid iovec for the call's duration.
+        let ret = unsafe { sys::nf_fi_mr_regattr(self.domain.raw, &attr, flags, &mut raw) };
+        if ret != 0 {
+            return Err(fab_err("fi_mr_regattr", Some(self.index), ret as i64));
+        }
+        // SAFETY: raw is a live MR.
+        let (desc, key) = unsafe { (sys::nf_fi_mr_desc(raw), sys::nf_fi_mr_key(raw)) };
+        Ok(MemoryRegion { raw, desc, key, _domain: self.domain.clone() })
+    }
+
+    pub fn av_insert(&self, addr: &[u8]) -> Result<FiAddr> {
+        let mut out: FiAddr = u64::MAX;
+        // SAFETY: addr holds one provider address in the format of this rail.
+        let ret = unsafe { sys::nf_fi_av_insert(self.av.raw, addr.as_ptr() as *const c_void, 1, &mut out, 0) };
+        if ret != 1 {
+            return Err(fab_err("fi_av_insert", Some(self.index), if ret < 0 { ret as i64 } else { -(libc::EINVAL as i64) }));
+        }
+        Ok(out)
+    }
+
+    pub fn av_remove(&self, mut a: FiAddr) {
+        // SAFETY: a was returned by av_insert on this AV.
+        let ret = unsafe { sys::nf_fi_av_remove(self.av.raw, &mut a, 1) };
+        if ret != 0 {
+            log::debug!("rail {}: fi_av_remove: {}", self.index, strerror(ret));
+        }
+    }
+
+    fn rma(&self, write: bool, local: *mut u8, len: usize, desc: *mut c_void, dest: FiAddr,
+           raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
+        let mut iov = libc::iovec { iov_base: local as *mut c_void, iov_len: len };
+        let mut d = desc;
+        let mut rma = sys::fi_rma_iov { addr: raddr, len, key: rkey };
+        let msg = sys::fi_msg_rma {
+            msg_iov: &mut iov as *mut libc::iovec as *const sys::iovec,
+            desc: &mut d,
+            iov_count: 1,
+            addr: dest,
+            rma_iov: &mut rma,
+            rma_iov_count: 1,
+            context: ctx,
+            data: 0,
+        };
+        let mut flags = sys::FI_COMPLETION as u64;
+        if write && self.caps.delivery_complete {
+            flags |= sys::FI_DELIVERY_COMPLETE as u64;
+        }
+        if more {
+            flags |= sys::FI_MORE as u64;
+        }
+        // SAFETY: msg and the structs it points to live for the call; the provider copies
+        // them. The buffer and ctx stay valid until the completion (engine invariant).
+        let ret = unsafe {
+            if write { sys::nf_fi_writemsg(self.ep.raw, &msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, &msg, flags) }
+        };
+        self.posted(ret, if write { "fi_writemsg" } else { "fi_readmsg" })
+    }
+
+    fn posted(&self, ret: isize, op: &'static str) -> Result<Posted> {
+        if ret == 0 {
+            Ok(Posted::Ok)
+        } else if ret == -(sys::FI_EAGAIN as isize) {
+            Ok(Posted::Again)
+        } else {
+            Err(fab_err(op, Some(self.index), ret as i64))
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn write(&self, local: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
+        self.rma(true, local as *mut u8, len, desc, dest, raddr, rkey, ctx, more)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn read(&self, local: *mut u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
+        self.rma(false, local, len, desc, dest, raddr, rkey, ctx, more)
+    }
+
+    pub fn send(&self, buf: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
+        // SAFETY: buf stays valid until the send completes (engine invariant).
+        let ret = unsafe { sys::nf_fi_send(self.ep.raw, buf as *const c_void, len, desc, dest, ctx) };
+        self.posted(ret, "fi_send")
+    }
+
+    pub fn recv(&self, buf: *mut u8, len: usize, desc: *mut c_void, ctx: *mut c_void) -> Result<Posted> {
+        // SAFETY: buf stays valid until the receive completes or the rail closes.
+        let ret = unsafe { sys::nf_fi_recv(self.ep.raw, buf as *mut c_void, len, desc, u64::MAX, ctx) };
+        self.posted(ret, "fi_recv")
+    }
+
+    /// Reads up to `out.len()` completions; an error entry is returned as `Err`.
+    pub fn poll(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+        const N: usize = 64;
+        let mut raw: [sys::fi_cq_msg_entry; N] = unsafe { std::mem::zeroed() };
+        let n = out.len().min(N);
+        // SAFETY: raw has room for n entries of the CQ's format (FI_CQ_FORMAT_MSG).
+        let ret = unsafe { sys::nf_fi_cq_read(self.cq.raw, raw.as_mut_ptr() as *mut c_void, n) };
+        if ret > 0 {
+            for (o, r) in out.iter_mut().zip(raw.iter()).take(ret as usize) {
+                *o = Completion { ctx: r.op_context, flags: r.flags, len: r.len };
+            }
+            return Ok(ret as usize);
+        }
+        if ret == -(sys::FI_EAGAIN as isize) || ret == 0 {
+            return Ok(0);
+        }
+        if ret == -(sys::FI_EAVAIL as isize) {
+            let mut e: sys::fi_cq_err_entry = Default::default();
+            // SAFETY: e is a valid error-entry buffer.
+            let r = unsafe { sys::nf_fi_cq_readerr(self.cq.raw, &mut e, 0) };
+            if r < 0 {
+                return Ok(0);
+            }
+            let mut buf = [0 as std::os::raw::c_char; 256];
+            // SAFETY: strerror writes at most buf.len() bytes and returns a C string.
+            let detail = unsafe {
+                let p = sys::nf_fi_cq_strerror(self.cq.raw, e.prov_errno, e.err_data, buf.as_mut_ptr(), buf.len());
+                if p.is_null() { String::new() } else { std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned() }
+            };
+            return Err(CqError { ctx: e.op_context, errno: e.err, detail });
+        }
+        Err(CqError { ctx: std::ptr::null_mut(), errno: (-ret) as i32, detail: format!("fi_cq_read: {}", strerror(ret as i32)) })
+    }
+
+    /// The fd to wait on before sleeping, if the CQ has one and nothing is pending
+    /// (fi_trywait succeeded).
+    pub fn wait_fd_if_idle(&self) -> Option<i32> {
+        let fd = self.wait_fd?;
+        // SAFETY: fabric and cq are live.
+        let ret = unsafe { sys::nf_fi_trywait_cq(self.fabric.raw, self.cq.raw) };
+        (ret == 0).then_some(fd)
+    }
+
+    pub fn has_wait_fd(&self) -> bool {
+        self.wait_fd.is_some()
+    }
+}
+
+impl CqError {
+    pub fn into_error(self, op: &'static str, rail: usize) -> Error {
+        Error::Completion { op, rail, errno: self.errno, detail: self.detail }
+    }
+}
