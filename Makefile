@@ -53,8 +53,8 @@ build: deps
 check-header: build
 	@git diff --quiet -- include/nixl_fabric.h || { echo "include/nixl_fabric.h is stale: commit the regenerated header"; git --no-pager diff --stat -- include/nixl_fabric.h; exit 1; }
 
-unit-test: deps
-	$(CARGO) test --$(PROFILE) --lib --bins 2>&1 | tee $(BUILD)/unit-test.log; exit $${PIPESTATUS[0]}
+unit-test: deps | $(STAMP)
+	$(CARGO) test --$(PROFILE) 2>&1 | tee $(BUILD)/unit-test.log; exit $${PIPESTATUS[0]}
 
 -include plugin_tests/harness.mk
 -include plugin_tests/agent.mk

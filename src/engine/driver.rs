@@ -469,6 +469,9 @@ impl Driver {
                 Ok(n) => {
                     total += n;
                     for c in &buf[..n] {
+                        if c.is_remote_write() {
+                            continue;
+                        }
                         self.on_completion(rail, c.ctx, c.len, None);
                     }
                     if n < POLL_BATCH {

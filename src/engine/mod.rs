@@ -79,6 +79,11 @@ fn host_id() -> [u8; 16] {
     id
 }
 
+/// One line about the CUDA driver, for diagnostics.
+pub fn cuda_summary() -> String {
+    "not probed (CUDA support not built into the engine yet)".to_string()
+}
+
 fn is_single_rail_provider(p: &str) -> bool {
     ["tcp", "sockets", "shm", "udp"].iter().any(|x| p.starts_with(x))
 }

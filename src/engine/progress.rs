@@ -9,6 +9,10 @@ use std::thread::JoinHandle;
 
 /// Idle passes spent spinning before the thread sleeps: a request usually follows soon.
 const SPIN_PASSES: u32 = 200;
+/// First sleep of an idle thread, in µs; sleeps double from here.
+const MIN_NAP_US: u64 = 20;
+/// Longest sleep of an idle thread when the agent gives no pthrDelay.
+const DEFAULT_IDLE_US: u64 = 1000;
 
 pub fn spawn(core: Arc<Core>, driver: Arc<Mutex<Driver>>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
@@ -17,11 +21,12 @@ pub fn spawn(core: Arc<Core>, driver: Arc<Mutex<Driver>>, stop: Arc<AtomicBool>)
 }
 
 fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
-    let idle_ms = match core.cfg.progress_delay_us {
-        0 => 1,
-        us => us.div_ceil(1000).max(1) as i32,
+    let idle_us = match core.cfg.progress_delay_us {
+        0 => DEFAULT_IDLE_US,
+        us => us.max(MIN_NAP_US),
     };
     let mut idle = 0u32;
+    let mut nap = MIN_NAP_US / 2;
     while !stop.load(Ordering::Acquire) {
         let busy = {
             let mut d = driver.lock().unwrap_or_else(|p| p.into_inner());
@@ -36,6 +41,7 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
         };
         if busy {
             idle = 0;
+            nap = MIN_NAP_US / 2;
             continue;
         }
         idle += 1;
@@ -50,19 +56,20 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
         }
         let fds = driver.lock().unwrap_or_else(|p| p.into_inner()).idle_fds();
         let mut pfds = vec![libc::pollfd { fd: core.wake_fd, events: libc::POLLIN, revents: 0 }];
-        let timeout = match &fds {
-            Idle::Fds(f) => {
-                pfds.extend(f.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }));
-                idle_ms.max(10)
-            }
-            Idle::NoFds => idle_ms,
+        match &fds {
+            Idle::Fds(f) => pfds.extend(f.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })),
+            Idle::NoFds => {}
             Idle::Busy => {
                 core.set_sleeping(false);
                 continue;
             }
-        };
-        // SAFETY: pfds is a valid array of pollfd for the call.
-        unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout) };
+        }
+        // Inbound RMA on manual-progress providers raises no fd event until a completion
+        // exists, so sleeps start short and double up to the idle cap.
+        nap = (nap * 2).clamp(MIN_NAP_US, idle_us);
+        let ts = libc::timespec { tv_sec: (nap / 1_000_000) as libc::time_t, tv_nsec: ((nap % 1_000_000) * 1000) as libc::c_long };
+        // SAFETY: pfds is a valid array of pollfd and ts a valid timespec for the call.
+        unsafe { libc::ppoll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, &ts, std::ptr::null()) };
         core.clear_wake();
         core.set_sleeping(false);
     }

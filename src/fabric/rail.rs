@@ -37,6 +37,13 @@ pub struct Completion {
     pub len: usize,
 }
 
+impl Completion {
+    /// A target-side event of a peer's write (remote CQ data): no context of ours.
+    pub fn is_remote_write(&self) -> bool {
+        self.flags & sys::FI_REMOTE_CQ_DATA as u64 != 0
+    }
+}
+
 /// A completion that reported an error.
 pub struct CqError {
     pub ctx: *mut c_void,
@@ -218,6 +225,7 @@ impl Rail {
         if write && self.caps.delivery_complete {
             flags |= sys::FI_DELIVERY_COMPLETE as u64;
         }
+
         if more {
             flags |= sys::FI_MORE as u64;
         }
