@@ -64,6 +64,9 @@ TEST_TARGETS ?=
 test: build check-header unit-test $(TEST_TARGETS)
 	@echo "make test: all suites passed ($(TEST_TARGETS))"
 
+demo: build venv
+	PY=$(PY) bash demo/run_demo.sh
+
 install: build
 	@test -n "$(NIXL_PLUGIN_DIR)" || { echo "usage: make install NIXL_PLUGIN_DIR=<dir> [BACKEND=LIBFABRIC]"; exit 1; }
 	install -d "$(NIXL_PLUGIN_DIR)"
