@@ -9,6 +9,29 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// `CUmemorytype` values (0 is what cuPointerGetAttributes reports for unknown memory).
+#define CU_MEMORYTYPE_HOST 1
+
+#define CU_MEMORYTYPE_DEVICE 2
+
+#define CU_MEMORYTYPE_ARRAY 3
+
+#define CU_MEMORYTYPE_UNIFIED 4
+
+#define CU_MEMHOSTALLOC_PORTABLE 1
+
+#define CU_MEMHOSTALLOC_DEVICEMAP 2
+
+#define CU_MEMHOSTREGISTER_PORTABLE 1
+
+#define CU_MEMHOSTREGISTER_DEVICEMAP 2
+
+// Stream that does not synchronize with the legacy default (NULL) stream.
+#define CU_STREAM_NON_BLOCKING 1
+
+// Event without timing data (cheaper to record and query).
+#define CU_EVENT_DISABLE_TIMING 2
+
 #define CONN_VERSION 1
 
 #define MEM_VERSION 1
@@ -114,6 +137,52 @@ typedef void (*nf_notif_cb)(void *ctx,
                             size_t sender_len,
                             const uint8_t *msg,
                             size_t msg_len);
+
+// `CUresult`: a C enum, passed and returned as `int`.
+typedef int CUresult;
+
+// `CUpointer_attribute`: a C enum, passed as `unsigned int`.
+typedef unsigned int CUpointer_attribute;
+
+#define CUDA_SUCCESS 0
+
+#define CUDA_ERROR_INVALID_VALUE 1
+
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+
+#define CUDA_ERROR_NOT_INITIALIZED 3
+
+#define CUDA_ERROR_DEINITIALIZED 4
+
+#define CUDA_ERROR_STUB_LIBRARY 34
+
+#define CUDA_ERROR_NO_DEVICE 100
+
+#define CUDA_ERROR_INVALID_DEVICE 101
+
+#define CUDA_ERROR_INVALID_CONTEXT 201
+
+#define CUDA_ERROR_INVALID_HANDLE 400
+
+#define CUDA_ERROR_NOT_FOUND 500
+
+#define CUDA_ERROR_NOT_READY 600
+
+#define CUDA_ERROR_ILLEGAL_ADDRESS 700
+
+#define CU_POINTER_ATTRIBUTE_CONTEXT 1
+
+#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
+
+#define CU_POINTER_ATTRIBUTE_SYNC_MEMOPS 6
+
+#define CU_POINTER_ATTRIBUTE_IS_MANAGED 8
+
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+
+#define CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11
+
+#define CU_POINTER_ATTRIBUTE_RANGE_SIZE 12
 
 #ifdef __cplusplus
 extern "C" {

@@ -63,6 +63,10 @@ tunables! {
         "receive buffers pre-posted on rail 0 for control messages";
     max_inflight: u64 = U64, "1024", "NIXL_FABRIC_MAX_INFLIGHT",
         "most RMA operations outstanding per rail (also capped by the provider's queue size)";
+    staging_buffer_size: u64 = Size, "67108864", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
+        "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM)";
+    staging_chunk_size: u64 = Size, "2097152", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
+        "size of one staging chunk (device copy and network overlap chunk by chunk)";
 }
 
 /// Keys of the stock LIBFABRIC plugin and of other backends that callers pass through
@@ -157,6 +161,8 @@ impl Config {
             max_notif_size: 0,
             ctrl_recv_count: 0,
             max_inflight: 0,
+            staging_buffer_size: 0,
+            staging_chunk_size: 0,
         }
     }
 
@@ -203,6 +209,9 @@ impl Config {
         }
         if self.max_inflight == 0 {
             return Err(Error::InvalidParam("max_inflight must be at least 1".into()));
+        }
+        if self.staging_chunk_size < 4096 || self.staging_buffer_size < 2 * self.staging_chunk_size {
+            return Err(Error::InvalidParam("staging_buffer_size must hold at least two staging_chunk_size (>= 4 KiB) chunks".into()));
         }
         if self.rails > 64 {
             return Err(Error::InvalidParam("rails must be at most 64".into()));

@@ -22,6 +22,9 @@ pub struct Core {
     pub counters: Counters,
     pub rail_counters: Vec<RailCounters>,
     pub closeq: SharedCloseQueue,
+    pub gpu: Arc<super::gpu::GpuRegistry>,
+    /// Debug only (regression test of the seed bug): never apply captured contexts.
+    pub skip_ctx_apply: bool,
     notifs: Mutex<Vec<(String, Vec<u8>)>>,
     submit: Mutex<Vec<Submit>>,
     pending: AtomicBool,
@@ -43,6 +46,8 @@ impl Core {
             counters: Counters::default(),
             rail_counters: (0..rails).map(|_| RailCounters::default()).collect(),
             closeq,
+            gpu: Arc::new(super::gpu::GpuRegistry::default()),
+            skip_ctx_apply: std::env::var("NIXL_FABRIC_DEBUG_SKIP_CTX_APPLY").is_ok_and(|v| v == "1"),
             notifs: Mutex::new(Vec::new()),
             submit: Mutex::new(Vec::new()),
             pending: AtomicBool::new(false),

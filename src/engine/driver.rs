@@ -6,7 +6,8 @@ use super::core::{Core, Submit};
 use super::counters::add;
 use super::ops::{OpKind, OpPool};
 use super::peer::Peer;
-use super::request::{Op, Phase, ReqState, Request, Target};
+use super::request::{Op, Phase, ReqState, Request, SegKind, Target};
+use super::staging::{Staging, Start};
 use super::wire::{self, CtrlType};
 use crate::error::{Error, Result, Status};
 use crate::fabric::{Completion, FiAddr, MemoryRegion, Posted, Rail};
@@ -42,15 +43,22 @@ impl CtrlBuffers {
 /// Our addresses of one peer: `addrs[local rail][remote rail]`.
 struct Conn {
     peer: Arc<Peer>,
-    addrs: Vec<Vec<Option<FiAddr>>>,
+    addrs: Arc<Vec<Vec<Option<FiAddr>>>>,
     last_completion: Instant,
 }
 
-struct CtrlOut {
-    peer_id: u64,
-    dest: FiAddr,
-    bytes: Vec<u8>,
-    req: Option<(Arc<Request>, u64)>,
+pub(super) struct CtrlOut {
+    pub peer_id: u64,
+    pub dest: FiAddr,
+    pub bytes: Vec<u8>,
+    pub req: Option<(Arc<Request>, u64)>,
+}
+
+/// An engine that sent us HELLO: what we need to answer it (stage requests).
+struct Initiator {
+    name: String,
+    info: Option<wire::ConnInfo>,
+    addr: Option<FiAddr>,
 }
 
 const SEND_BUFFERS: usize = 32;
@@ -67,20 +75,24 @@ pub enum Idle {
 
 pub struct Driver {
     // Field order is drop order: endpoints close before the buffers they may write into.
-    rails: Vec<Rail>,
-    ops: OpPool,
+    pub(super) rails: Vec<Rail>,
+    pub(super) ops: OpPool,
+    pub(super) staging: Staging,
     ctrl: CtrlBuffers,
-    core: Arc<Core>,
+    pub(super) core: Arc<Core>,
     conns: HashMap<u64, Conn>,
-    /// Initiators that introduced themselves (engine id -> agent name).
-    initiators: HashMap<u64, String>,
+    /// Engines that introduced themselves (engine id -> who they are).
+    initiators: HashMap<u64, Initiator>,
     to_post: VecDeque<Arc<Request>>,
     active: Vec<Arc<Request>>,
-    ctrl_out: VecDeque<CtrlOut>,
+    pub(super) ctrl_out: VecDeque<CtrlOut>,
     inflight: Vec<usize>,
     cap: Vec<usize>,
     last_sweep: Instant,
-    next_key: u64,
+    pub(super) next_key: u64,
+    /// The captured contexts (copy of the engine's registry) and its version.
+    ctxs: Vec<crate::cuda::Context>,
+    ctx_version: u64,
 }
 
 impl Driver {
@@ -102,6 +114,7 @@ impl Driver {
         let n = rails.len();
         let mut d = Driver {
             ops: OpPool::with_capacity(1024),
+            staging: Staging::default(),
             ctrl,
             core,
             conns: HashMap::new(),
@@ -113,16 +126,14 @@ impl Driver {
             cap,
             last_sweep: Instant::now(),
             next_key: 16,
+            ctxs: Vec::new(),
+            ctx_version: 0,
             rails,
         };
         for i in 0..nrecv as u32 {
             d.post_recv(i)?;
         }
         Ok(d)
-    }
-
-    pub fn rails(&self) -> &[Rail] {
-        &self.rails
     }
 
     fn post_recv(&mut self, buf: u32) -> Result<()> {
@@ -163,6 +174,7 @@ impl Driver {
     /// should pass again soon rather than sleep).
     pub fn pass(&mut self) -> bool {
         add(&self.core.counters.progress_passes, 1);
+        self.apply_contexts();
         for mr in super::registry::CloseQueue::drain(&self.core.closeq) {
             drop(mr);
         }
@@ -178,8 +190,66 @@ impl Driver {
             self.post_pending();
             self.flush_ctrl();
         }
+        let staging = self.advance_staging();
+        if staging {
+            self.flush_ctrl();
+        }
         self.sweep();
-        got > 0 || !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty()
+        staging || got > 0 || !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty()
+    }
+
+    /// Rule 4: before this pass touches the provider or device memory, the context
+    /// captured at VRAM registration is made current on this thread — every pass, since
+    /// the thread may have started before any VRAM existed, and user code on a
+    /// thread-off caller may have switched contexts since. Further contexts are applied
+    /// where their memory is touched (staging copies).
+    fn apply_contexts(&mut self) {
+        let v = self.core.gpu.version();
+        if v != self.ctx_version {
+            self.ctxs = self.core.gpu.contexts();
+            self.ctx_version = v;
+        }
+        if self.core.skip_ctx_apply {
+            return;
+        }
+        if let Some(c) = self.ctxs.first() {
+            match c.make_current() {
+                Ok(_) => add(&self.core.counters.cuda_ctx_applies, 1),
+                Err(e) => log::error!("{}: making the captured CUDA context current: {e}", self.core.name),
+            }
+        }
+    }
+
+    /// Our address of peer `peer_id`'s rail `rrail` on our rail `rail`.
+    pub(super) fn conn_addr(&self, peer_id: u64, rail: usize, rrail: usize) -> Result<FiAddr> {
+        self.conns
+            .get(&peer_id)
+            .and_then(|c| c.addrs.get(rail)?.get(rrail).copied().flatten())
+            .ok_or_else(|| Error::Disconnected("peer was disconnected".into()))
+    }
+
+    /// Our rail-0 address of an engine that introduced itself (inserted on first use).
+    pub(super) fn initiator_addr(&mut self, engine_id: u64) -> Option<FiAddr> {
+        let ini = self.initiators.get_mut(&engine_id)?;
+        if ini.addr.is_none() {
+            let info = ini.info.as_ref()?;
+            let ra = info.rails.first()?;
+            if ra.provider != self.rails[0].caps.prov_name {
+                return None;
+            }
+            match self.rails[0].av_insert(&ra.addr) {
+                Ok(a) => ini.addr = Some(a),
+                Err(e) => {
+                    log::error!("{}: cannot reach agent '{}': {e}", self.core.name, ini.name);
+                    return None;
+                }
+            }
+        }
+        ini.addr
+    }
+
+    pub(super) fn initiator_id_by_addr(&self, addr: FiAddr) -> Option<u64> {
+        self.initiators.iter().find(|(_, i)| i.addr == Some(addr)).map(|(id, _)| *id)
     }
 
     fn drain_submit(&mut self) {
@@ -226,6 +296,16 @@ impl Driver {
                 Op::Write => (s.local, s.raddr),
                 Op::Read => (s.raddr, s.local),
             };
+            if let SegKind::LocalDev { local, remote } = s.kind {
+                let (sdev, ddev) = if req.op == Op::Write { (local, remote) } else { (remote, local) };
+                // SAFETY: both ranges were bounds-checked against live registrations that
+                // the request keeps alive.
+                if let Err(e) = unsafe { super::gpu::copy(dst, ddev.as_ref(), src, sdev.as_ref(), s.len as usize) } {
+                    self.complete(req, st, Err(e));
+                    return;
+                }
+                continue;
+            }
             // SAFETY: both ranges were bounds-checked against live registrations that the
             // request keeps alive; `copy` tolerates overlap.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, s.len as usize) };
@@ -261,7 +341,7 @@ impl Driver {
             )));
         };
         log::info!("{}: connected to agent '{}' ({} local x {} remote rails)", self.core.name, peer.name, self.rails.len(), peer.info.rails.len());
-        self.conns.insert(peer.id, Conn { peer: peer.clone(), addrs, last_completion: Instant::now() });
+        self.conns.insert(peer.id, Conn { peer: peer.clone(), addrs: Arc::new(addrs), last_completion: Instant::now() });
         let hello = wire::encode_ctrl(CtrlType::Hello, self.core.engine_id, &self.core.name, &self.core.conn_info);
         self.ctrl_out.push_back(CtrlOut { peer_id: peer.id, dest: ctrl, bytes: hello, req: None });
         Ok(())
@@ -309,7 +389,7 @@ impl Driver {
                 self.to_post.pop_front();
                 continue;
             }
-            let Some(conn) = self.conns.get(&peer_id) else {
+            let Some(addrs) = self.conns.get(&peer_id).map(|c| c.addrs.clone()) else {
                 self.to_post.pop_front();
                 self.fail_data(&req, &mut st, Error::Disconnected("peer was disconnected".into()));
                 continue;
@@ -326,11 +406,32 @@ impl Driver {
                     blocked = true;
                     break;
                 }
-                let Some(dest) = conn.addrs[rail][s.rrail as usize] else {
+                let Some(dest) = addrs[rail][s.rrail as usize] else {
                     st.error = Some(Error::NotSupported(format!("rail {rail} cannot reach remote rail {}", s.rrail)));
                     st.next = req.segs.len();
                     break;
                 };
+                if !matches!(s.kind, SegKind::Rma) {
+                    let ctrl_dest = addrs[0][0].unwrap_or(dest);
+                    match self.start_staged(&req, epoch, st.next, dest, ctrl_dest) {
+                        Ok(Start::Started) => {
+                            st.next += 1;
+                            st.outstanding += 1;
+                            st.inflight_total += 1;
+                            add(&self.core.counters.ops_posted, 1);
+                            continue;
+                        }
+                        Ok(Start::Blocked) => {
+                            blocked = true;
+                            break;
+                        }
+                        Err(e) => {
+                            st.error.get_or_insert(e);
+                            st.next = req.segs.len();
+                            break;
+                        }
+                    }
+                }
                 let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: s.rail, len: s.len });
                 let more = st.next + 1 < req.segs.len();
                 let r = &self.rails[rail];
@@ -382,7 +483,7 @@ impl Driver {
     }
 
     /// Every byte of the post is delivered (or it failed): send the notification, or finish.
-    fn data_done(&mut self, req: &Arc<Request>, st: &mut ReqState) {
+    pub(super) fn data_done(&mut self, req: &Arc<Request>, st: &mut ReqState) {
         if st.phase != Phase::Data {
             return;
         }
@@ -460,7 +561,7 @@ impl Driver {
         }
     }
 
-    fn poll_rail(&mut self, rail: usize) -> usize {
+    pub(super) fn poll_rail(&mut self, rail: usize) -> usize {
         let mut buf = [Completion { ctx: std::ptr::null_mut(), flags: 0, len: 0 }; POLL_BATCH];
         let mut total = 0;
         for _ in 0..16 {
@@ -546,6 +647,7 @@ impl Driver {
                     log::error!("{}: control message failed: {e}", self.core.name);
                 }
             }
+            OpKind::StageRma { token, serve } => self.on_stage_rma(token, serve, err),
             OpKind::Recv { buf } => {
                 match err {
                     None => self.on_ctrl(buf, len),
@@ -573,10 +675,27 @@ impl Driver {
         };
         match msg.kind {
             CtrlType::Hello => {
-                if self.initiators.insert(msg.sender_id, msg.sender.to_string()).is_none() {
+                if !self.initiators.contains_key(&msg.sender_id) {
                     log::info!("{}: agent '{}' introduced itself (engine {:016x})", self.core.name, msg.sender, msg.sender_id);
+                    let info = match wire::ConnInfo::decode(msg.payload) {
+                        Ok(i) if i.engine_id == msg.sender_id => Some(i),
+                        Ok(_) => None,
+                        Err(e) => {
+                            log::warn!("{}: HELLO from '{}' carries bad connection info: {e}", self.core.name, msg.sender);
+                            None
+                        }
+                    };
+                    self.initiators.insert(msg.sender_id, Initiator { name: msg.sender.to_string(), info, addr: None });
                 }
             }
+            CtrlType::Stage => match wire::Stage::decode(msg.payload) {
+                Ok(st) => self.on_stage_request(msg.sender_id, st),
+                Err(e) => log::warn!("{}: dropping a stage request from '{}': {e}", self.core.name, msg.sender),
+            },
+            CtrlType::StageAck => match wire::StageAck::decode(msg.payload) {
+                Ok(a) => self.on_stage_ack(a),
+                Err(e) => log::warn!("{}: dropping a stage answer from '{}': {e}", self.core.name, msg.sender),
+            },
             CtrlType::Notif => {
                 add(&self.core.counters.notifs_received, 1);
                 self.core.push_notif(msg.sender.to_string(), msg.payload.to_vec());

@@ -5,11 +5,13 @@
 mod core;
 mod counters;
 mod driver;
+mod gpu;
 mod ops;
 mod peer;
 mod progress;
 mod registry;
 mod request;
+mod staging;
 pub mod wire;
 
 pub use registry::{LocalMem, MemKind, RemoteMem};
@@ -23,7 +25,7 @@ use self::core::{Core, Submit};
 use driver::Driver;
 use peer::Peer;
 use registry::{CloseQueue, SharedCloseQueue};
-use request::{dedup_arcs, Phase, Seg, Target};
+use request::{dedup_arcs, Phase, Seg, SegKind, Target};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -41,6 +43,7 @@ pub struct Pair<'a> {
 struct RailShape {
     max_msg: u64,
     virt_addr: bool,
+    hmem: bool,
 }
 
 pub struct Engine {
@@ -81,8 +84,14 @@ fn host_id() -> [u8; 16] {
 
 /// One line about the CUDA driver, for diagnostics.
 pub fn cuda_summary() -> String {
-    "not probed (CUDA support not built into the engine yet)".to_string()
+    match crate::cuda::Driver::get() {
+        Ok(d) => format!("driver API {} from {}, {} device(s)", d.version(), d.path(), d.device_count().unwrap_or(0)),
+        Err(e) => format!("not available ({e})"),
+    }
 }
+
+/// FI_HMEM interface number of CUDA (enum fi_hmem_iface).
+const FI_HMEM_CUDA: u32 = 1;
 
 fn is_single_rail_provider(p: &str) -> bool {
     ["tcp", "sockets", "shm", "udp"].iter().any(|x| p.starts_with(x))
@@ -111,7 +120,7 @@ impl Engine {
             agent: name.to_string(),
             rails: rails.iter().map(|r| RailAddr { provider: r.caps.prov_name.clone(), addr: r.name.clone() }).collect(),
         };
-        let shapes = rails.iter().map(|r| RailShape { max_msg: r.caps.max_msg_size.max(4096), virt_addr: r.caps.virt_addr }).collect();
+        let shapes = rails.iter().map(|r| RailShape { max_msg: r.caps.max_msg_size.max(4096), virt_addr: r.caps.virt_addr, hmem: r.caps.hmem }).collect();
         let closeq: SharedCloseQueue = Arc::new(Mutex::new(CloseQueue::default()));
         let threaded = cfg.progress_thread;
         let core = Arc::new(Core::new(name, engine_id, cfg, conn.encode(), rails.len(), closeq));
@@ -154,7 +163,8 @@ impl Engine {
     }
 
     pub fn supported_mems(&self) -> u32 {
-        1 << MemKind::Dram as u32
+        let vram = if crate::cuda::available() { 1 << MemKind::Vram as u32 } else { 0 };
+        1 << MemKind::Dram as u32 | vram
     }
 
     pub fn counters(&self) -> nf_counters {
@@ -202,12 +212,32 @@ impl Engine {
         if addr.checked_add(len).is_none() {
             return Err(Error::InvalidParam("registration wraps the address space".into()));
         }
-        if kind == MemKind::Vram {
-            return Err(Error::NotSupported("VRAM registration needs the CUDA driver (not available in this build)".into()));
+        let info = gpu::classify(addr, len, kind == MemKind::Vram)?;
+        let zero_copy = self.shapes.iter().all(|s| s.hmem);
+        let dev = info.map(|i| gpu::DeviceMem {
+            ctx: i.context.expect("classify requires a context"),
+            ordinal: i.device_ordinal.unwrap_or(0),
+            staged: !zero_copy,
+        });
+        let mrs = match dev {
+            None => self.on_driver("registering memory", move |d| d.register(addr, len, None))??,
+            Some(dm) if dm.staged => {
+                self.on_driver("creating the staging pool", move |d| d.ensure_pool(&dm.ctx))??;
+                Vec::new()
+            }
+            Some(dm) => self.on_driver("registering device memory", move |d| {
+                d.apply_ctx(&dm.ctx)?;
+                d.register(addr, len, Some((FI_HMEM_CUDA, dm.ordinal)))
+            })??,
+        };
+        log::debug!("{}: registered {kind:?} [{addr:#x}, +{len}){}", self.core.name,
+            dev.map_or(String::new(), |d| format!(" on GPU {} ({})", d.ordinal, if d.staged { "staged" } else { "FI_HMEM" })));
+        let m = Arc::new(LocalMem::new(self.core.engine_id, addr, len, kind, dev_id, self.shapes.len(), mrs,
+            self.core.closeq.clone(), dev, Some(self.core.gpu.clone())));
+        if let Some(d) = dev {
+            self.core.gpu.add(&m, d.ctx);
         }
-        let mrs = self.on_driver("registering memory", move |d| d.register(addr, len, None))??;
-        log::debug!("{}: registered {kind:?} [{addr:#x}, +{len})", self.core.name);
-        Ok(Arc::new(LocalMem::new(self.core.engine_id, addr, len, kind, dev_id, mrs, self.core.closeq.clone())))
+        Ok(m)
     }
 
     pub fn public_data(&self, mem: &LocalMem) -> Result<Vec<u8>> {
@@ -343,7 +373,8 @@ impl Engine {
                     if m.engine_id != self.core.engine_id {
                         return Err(Error::InvalidParam(format!("remote descriptor {i} is not ours")));
                     }
-                    segs.push(Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0 });
+                    let kind = if lm.dev.is_some() || m.dev.is_some() { SegKind::LocalDev { local: lm.dev, remote: m.dev } } else { SegKind::Rma };
+                    segs.push(Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0, kind });
                 }
                 (Target::Peer(peer), RemoteMem::Peer { peer: owner, desc }) => {
                     if owner.id != peer.id {
@@ -352,6 +383,11 @@ impl Engine {
                         )));
                     }
                     let rrails = desc.keys.len();
+                    let lstaged = lm.dev.filter(|d| d.staged);
+                    if lstaged.is_some() || desc.staged {
+                        self.staged_segs(&mut segs, (la, ll, lm), (ra, desc), lstaged, nrails, rrails);
+                        continue;
+                    }
                     let pieces = if ll >= stripe && nrails > 1 { nrails as u64 } else { 1 };
                     let first = if pieces == 1 { self.rr.fetch_add(1, Ordering::Relaxed) % nrails } else { 0 };
                     let piece = ll.div_ceil(pieces).next_multiple_of(4096);
@@ -374,6 +410,7 @@ impl Engine {
                                 desc: lm.descs[rail],
                                 rail: rail as u16,
                                 rrail: rrail as u16,
+                                kind: SegKind::Rma,
                             });
                             off += plen;
                         }
@@ -395,6 +432,34 @@ impl Engine {
         let local = dedup_arcs(pairs.iter().map(|p| p.local.2.clone()));
         let remote = dedup_arcs(pairs.iter().map(|p| p.remote.2.clone()));
         Ok(Arc::new(Request::new(op, target, segs, local, remote)))
+    }
+
+    /// Cuts a pair with staged device memory on either side into staging chunks.
+    fn staged_segs(&self, segs: &mut Vec<Seg>, local: (u64, u64, &Arc<LocalMem>), remote: (u64, &MemDesc),
+                   lstaged: Option<gpu::DeviceMem>, nrails: usize, rrails: usize) {
+        let (la, ll, lm) = local;
+        let (ra, desc) = remote;
+        let chunk = self.core.cfg.staging_chunk_size;
+        let mut off = 0;
+        while off < ll {
+            let len = chunk.min(ll - off);
+            let rail = self.rr.fetch_add(1, Ordering::Relaxed) % nrails;
+            let rrail = rail % rrails;
+            let (kind, raddr, rkey) = match (lstaged, desc.staged) {
+                (Some(d), false) => {
+                    let raddr = if desc.virt_addr { ra + off } else { ra - desc.base + off };
+                    (SegKind::DevToHost { ctx: d.ctx }, raddr, desc.keys[rrail])
+                }
+                (None, true) => {
+                    let self_addr = if self.shapes[0].virt_addr { la + off } else { la - lm.base + off };
+                    (SegKind::HostToDev { self_addr, self_key: lm.keys[0] }, ra + off, 0)
+                }
+                (Some(d), true) => (SegKind::DevToDev { ctx: d.ctx }, ra + off, 0),
+                (None, false) => unreachable!("only called with staged memory on a side"),
+            };
+            segs.push(Seg { local: la + off, len, raddr, rkey, desc: lm.descs[rail], rail: rail as u16, rrail: rrail as u16, kind });
+            off += len;
+        }
     }
 
     /// Posts a request without waiting for it. Returns IN_PROG, or SUCCESS/an error when

@@ -16,6 +16,8 @@ pub enum OpKind {
     Send { buf: u32, req: Option<(Arc<Request>, u64)> },
     /// A pre-posted control receive into buffer `buf`.
     Recv { buf: u32 },
+    /// An RMA of a staged chunk: ours (`serve` false) or one we serve for a peer.
+    StageRma { token: u64, serve: bool },
 }
 
 #[repr(C)]
@@ -88,6 +90,8 @@ impl OpPool {
         Some(kind)
     }
 
+    /// Operations the provider currently owns.
+    #[cfg(test)]
     pub fn in_use(&self) -> usize {
         self.in_use
     }

@@ -1,5 +1,6 @@
 //! Local registrations and transfer targets (a peer's registration, or one of our own for
 //! loopback), with the bounds checks every descriptor goes through.
+use super::gpu::{DeviceMem, GpuRegistry};
 use super::peer::Peer;
 use super::wire::MemDesc;
 use crate::error::{Error, Result};
@@ -65,23 +66,21 @@ pub struct LocalMem {
     /// Per rail: MR key and local descriptor (NULL where the provider needs none).
     pub keys: Vec<u64>,
     pub descs: Vec<usize>,
+    /// Device memory: its captured context, and whether it is staged (no MRs).
+    pub dev: Option<DeviceMem>,
     mrs: Vec<MemoryRegion>,
     closeq: SharedCloseQueue,
+    gpu: Option<Arc<GpuRegistry>>,
 }
 
 impl LocalMem {
-    pub fn new(engine_id: u64, base: u64, len: u64, kind: MemKind, dev_id: u64, mrs: Vec<MemoryRegion>, closeq: SharedCloseQueue) -> LocalMem {
-        LocalMem {
-            engine_id,
-            base,
-            len,
-            kind,
-            dev_id,
-            keys: mrs.iter().map(|m| m.key).collect(),
-            descs: mrs.iter().map(|m| m.desc as usize).collect(),
-            mrs,
-            closeq,
-        }
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(engine_id: u64, base: u64, len: u64, kind: MemKind, dev_id: u64, rails: usize, mrs: Vec<MemoryRegion>,
+               closeq: SharedCloseQueue, dev: Option<DeviceMem>, gpu: Option<Arc<GpuRegistry>>) -> LocalMem {
+        // Staged device memory has no MRs; its key slots stay 0 so descriptors keep their shape.
+        let keys = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.key).collect() };
+        let descs = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.desc as usize).collect() };
+        LocalMem { engine_id, base, len, kind, dev_id, keys, descs, dev, mrs, closeq, gpu: dev.and(gpu) }
     }
 
     pub fn desc(&self, rail: usize) -> *mut c_void {
@@ -92,6 +91,7 @@ impl LocalMem {
         MemDesc {
             mem_type: self.kind as u8,
             virt_addr,
+            staged: self.dev.is_some_and(|d| d.staged),
             engine_id: self.engine_id,
             base: self.base,
             len: self.len,
@@ -107,6 +107,9 @@ impl LocalMem {
 
 impl Drop for LocalMem {
     fn drop(&mut self) {
+        if let (Some(g), Some(d)) = (&self.gpu, &self.dev) {
+            g.remove(self.base, d.ctx);
+        }
         CloseQueue::push(&self.closeq, std::mem::take(&mut self.mrs));
     }
 }

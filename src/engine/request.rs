@@ -26,6 +26,24 @@ pub struct Seg {
     pub desc: usize,
     pub rail: u16,
     pub rrail: u16,
+    pub kind: SegKind,
+}
+
+/// How a segment's bytes move (DESIGN, "GPU memory without FI_HMEM").
+#[derive(Clone, Copy, Debug)]
+pub enum SegKind {
+    /// Plain RMA between registered memories (host, or device with FI_HMEM).
+    Rma,
+    /// Our staged device memory <-> the peer's RMA-reachable memory, through one of our
+    /// bounce slots (device copy under `ctx`, then RMA; or RMA, then device copy).
+    DevToHost { ctx: crate::cuda::Context },
+    /// Our host memory <-> the peer's staged device memory: the peer pulls or pushes;
+    /// `self_addr`/`self_key` address our memory as the peer's RMA must name it.
+    HostToDev { self_addr: u64, self_key: u64 },
+    /// Staged device memory on both sides: our bounce slot, and the peer pulls or pushes it.
+    DevToDev { ctx: crate::cuda::Context },
+    /// Loopback where either side is device memory (copy through the CUDA driver).
+    LocalDev { local: Option<super::gpu::DeviceMem>, remote: Option<super::gpu::DeviceMem> },
 }
 
 pub enum Target {

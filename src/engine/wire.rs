@@ -131,6 +131,8 @@ pub struct MemDesc {
     pub mem_type: u8,
     /// Remote addresses are virtual addresses (else offsets from `base`).
     pub virt_addr: bool,
+    /// Device memory without an MR: peers reach it through the owner's staging (PULL/PUSH).
+    pub staged: bool,
     pub engine_id: u64,
     pub base: u64,
     pub len: u64,
@@ -141,7 +143,7 @@ pub struct MemDesc {
 impl MemDesc {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
-        w.bytes(MEM_MAGIC).u16(MEM_VERSION).u8(self.mem_type).u8(self.virt_addr as u8);
+        w.bytes(MEM_MAGIC).u16(MEM_VERSION).u8(self.mem_type).u8(self.virt_addr as u8 | (self.staged as u8) << 1);
         w.u64(self.engine_id).u64(self.base).u64(self.len).u64(self.dev_id).u16(self.keys.len() as u16);
         for k in &self.keys {
             w.u64(*k);
@@ -158,7 +160,7 @@ impl MemDesc {
         }
         let mem_type = r.u8("memory type")?;
         let flags = r.u8("flags")?;
-        if flags > 1 {
+        if flags > 3 {
             return Err(Error::Malformed { what: "memory descriptor", why: format!("unknown flags {flags:#x}") });
         }
         let engine_id = r.u64("engine id")?;
@@ -177,7 +179,7 @@ impl MemDesc {
             keys.push(r.u64("key")?);
         }
         r.finish()?;
-        Ok(MemDesc { mem_type, virt_addr: flags & 1 != 0, engine_id, base, len, dev_id, keys })
+        Ok(MemDesc { mem_type, virt_addr: flags & 1 != 0, staged: flags & 2 != 0, engine_id, base, len, dev_id, keys })
     }
 }
 
@@ -189,6 +191,79 @@ pub enum CtrlType {
     Hello = 1,
     /// A notification: payload is the user's message.
     Notif = 2,
+    /// Stage request: the owner of device memory moves a chunk in or out of it (payload:
+    /// [`Stage`]).
+    Stage = 3,
+    /// The owner's answer to a Stage request (payload: [`StageAck`]).
+    StageAck = 4,
+}
+
+/// Direction of a stage request, seen from the device memory's owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum StageDir {
+    /// RMA-read `len` bytes from the requester's (`peer_addr`, `peer_key`) into device
+    /// memory at `dev_addr`.
+    Pull = 1,
+    /// Copy `len` bytes out of device memory at `dev_addr` and RMA-write them to the
+    /// requester's (`peer_addr`, `peer_key`).
+    Push = 2,
+}
+
+/// A stage request. `peer_addr` is already in the form the requester's rail 0 expects
+/// (virtual address or offset).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stage {
+    pub token: u64,
+    pub dir: StageDir,
+    pub dev_addr: u64,
+    pub len: u64,
+    pub peer_addr: u64,
+    pub peer_key: u64,
+}
+
+/// The answer to a stage request: its token and a NIXL status code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageAck {
+    pub token: u64,
+    pub status: i32,
+}
+
+impl Stage {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.token).u8(self.dir as u8).u64(self.dev_addr).u64(self.len).u64(self.peer_addr).u64(self.peer_key);
+        w.0
+    }
+    pub fn decode(b: &[u8]) -> Result<Stage> {
+        let mut r = Reader::new(b, "stage request");
+        let token = r.u64("token")?;
+        let dir = match r.u8("direction")? {
+            1 => StageDir::Pull,
+            2 => StageDir::Push,
+            d => return Err(Error::Malformed { what: "stage request", why: format!("unknown direction {d}") }),
+        };
+        let s = Stage { token, dir, dev_addr: r.u64("device address")?, len: r.u64("length")?, peer_addr: r.u64("peer address")?, peer_key: r.u64("peer key")? };
+        r.finish()?;
+        if s.dev_addr.checked_add(s.len).is_none() || s.peer_addr.checked_add(s.len).is_none() {
+            return Err(Error::Malformed { what: "stage request", why: "address + length overflows".into() });
+        }
+        Ok(s)
+    }
+}
+
+impl StageAck {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.token).u32(self.status as u32);
+        w.0
+    }
+    pub fn decode(b: &[u8]) -> Result<StageAck> {
+        let mut r = Reader::new(b, "stage answer");
+        let a = StageAck { token: r.u64("token")?, status: r.u32("status")? as i32 };
+        r.finish()?;
+        Ok(a)
+    }
 }
 
 /// A decoded control message (borrowing the receive buffer).
@@ -219,6 +294,8 @@ pub fn decode_ctrl(buf: &[u8]) -> Result<Ctrl<'_>> {
     let kind = match r.u8("type")? {
         1 => CtrlType::Hello,
         2 => CtrlType::Notif,
+        3 => CtrlType::Stage,
+        4 => CtrlType::StageAck,
         t => return Err(Error::Malformed { what: "control message", why: format!("unknown type {t}") }),
     };
     let sender_id = r.u64("sender id")?;
@@ -269,7 +346,7 @@ mod tests {
 
     #[test]
     fn mem_round_trip_and_overflow() {
-        let m = MemDesc { mem_type: 0, virt_addr: true, engine_id: 1, base: 4096, len: 100, dev_id: 0, keys: vec![5, 6] };
+        let m = MemDesc { mem_type: 0, virt_addr: true, staged: true, engine_id: 1, base: 4096, len: 100, dev_id: 0, keys: vec![5, 6] };
         let b = m.encode();
         assert_eq!(MemDesc::decode(&b).unwrap(), m);
         for n in 0..b.len() {
@@ -277,6 +354,16 @@ mod tests {
         }
         let bad = MemDesc { base: u64::MAX, ..m }.encode();
         assert!(MemDesc::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn stage_round_trip() {
+        let s = Stage { token: 1, dir: StageDir::Push, dev_addr: 2, len: 3, peer_addr: 4, peer_key: 5 };
+        assert_eq!(Stage::decode(&s.encode()).unwrap(), s);
+        let a = StageAck { token: 9, status: -10 };
+        assert_eq!(StageAck::decode(&a.encode()).unwrap(), a);
+        let bad = Stage { dev_addr: u64::MAX, ..s }.encode();
+        assert!(Stage::decode(&bad).is_err());
     }
 
     #[test]
@@ -297,6 +384,8 @@ mod tests {
             let _ = ConnInfo::decode(&buf);
             let _ = MemDesc::decode(&buf);
             let _ = decode_ctrl(&buf);
+            let _ = Stage::decode(&buf);
+            let _ = StageAck::decode(&buf);
         }
     }
 }

@@ -1,0 +1,111 @@
+//! Raw CUDA driver API declarations: the C types, constants and function-pointer shapes
+//! this module resolves from libcuda at run time. Written by hand from NVIDIA's public
+//! driver API reference (cuda.h semantics, LP64 Linux); private to `cuda/`.
+#![allow(non_camel_case_types, dead_code)]
+use std::ffi::{c_char, c_int, c_uint, c_void};
+
+/// `CUresult`: a C enum, passed and returned as `int`.
+pub type CUresult = c_int;
+/// `CUdevice`: a device handle, an `int` ordinal.
+pub type CUdevice = c_int;
+/// `CUdeviceptr` (`_v2`): `unsigned long long`, a unified virtual address.
+pub type CUdeviceptr = u64;
+/// `CUcontext`, `CUstream`, `CUevent`: opaque pointers to driver objects.
+pub type CUcontext = *mut c_void;
+pub type CUstream = *mut c_void;
+pub type CUevent = *mut c_void;
+/// `CUpointer_attribute`: a C enum, passed as `unsigned int`.
+pub type CUpointer_attribute = c_uint;
+
+pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+pub const CUDA_ERROR_DEINITIALIZED: CUresult = 4;
+pub const CUDA_ERROR_STUB_LIBRARY: CUresult = 34;
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
+pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
+pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
+pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
+pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+pub const CUDA_ERROR_ILLEGAL_ADDRESS: CUresult = 700;
+
+pub const CU_POINTER_ATTRIBUTE_CONTEXT: CUpointer_attribute = 1;
+pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: CUpointer_attribute = 2;
+pub const CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: CUpointer_attribute = 6;
+pub const CU_POINTER_ATTRIBUTE_IS_MANAGED: CUpointer_attribute = 8;
+pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: CUpointer_attribute = 9;
+pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: CUpointer_attribute = 11;
+pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: CUpointer_attribute = 12;
+
+/// `CUmemorytype` values (0 is what cuPointerGetAttributes reports for unknown memory).
+pub const CU_MEMORYTYPE_HOST: c_uint = 1;
+pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
+pub const CU_MEMORYTYPE_ARRAY: c_uint = 3;
+pub const CU_MEMORYTYPE_UNIFIED: c_uint = 4;
+
+pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x01;
+pub const CU_MEMHOSTALLOC_DEVICEMAP: c_uint = 0x02;
+pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 0x01;
+pub const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 0x02;
+/// Stream that does not synchronize with the legacy default (NULL) stream.
+pub const CU_STREAM_NON_BLOCKING: c_uint = 0x1;
+/// Event without timing data (cheaper to record and query).
+pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
+
+pub type FnInit = unsafe extern "C" fn(flags: c_uint) -> CUresult;
+pub type FnDriverGetVersion = unsafe extern "C" fn(version: *mut c_int) -> CUresult;
+pub type FnGetErrorName = unsafe extern "C" fn(error: CUresult, p_str: *mut *const c_char) -> CUresult;
+pub type FnDeviceGetCount = unsafe extern "C" fn(count: *mut c_int) -> CUresult;
+pub type FnDeviceGet = unsafe extern "C" fn(device: *mut CUdevice, ordinal: c_int) -> CUresult;
+pub type FnDevicePrimaryCtxRetain = unsafe extern "C" fn(pctx: *mut CUcontext, dev: CUdevice) -> CUresult;
+pub type FnDevicePrimaryCtxRelease = unsafe extern "C" fn(dev: CUdevice) -> CUresult;
+/// `cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)`.
+pub type FnCtxCreateV2 = unsafe extern "C" fn(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult;
+/// `cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags, CUdevice dev)`
+/// (what `cuCtxCreate` means in CUDA 13 headers); we pass a zeroed parameter block.
+pub type FnCtxCreateV4 =
+    unsafe extern "C" fn(pctx: *mut CUcontext, params: *mut c_void, flags: c_uint, dev: CUdevice) -> CUresult;
+pub type FnCtxDestroy = unsafe extern "C" fn(ctx: CUcontext) -> CUresult;
+pub type FnCtxGetCurrent = unsafe extern "C" fn(pctx: *mut CUcontext) -> CUresult;
+pub type FnCtxSetCurrent = unsafe extern "C" fn(ctx: CUcontext) -> CUresult;
+pub type FnCtxPushCurrent = unsafe extern "C" fn(ctx: CUcontext) -> CUresult;
+pub type FnCtxPopCurrent = unsafe extern "C" fn(pctx: *mut CUcontext) -> CUresult;
+pub type FnCtxGetDevice = unsafe extern "C" fn(device: *mut CUdevice) -> CUresult;
+pub type FnPointerGetAttribute =
+    unsafe extern "C" fn(data: *mut c_void, attribute: CUpointer_attribute, ptr: CUdeviceptr) -> CUresult;
+pub type FnPointerGetAttributes = unsafe extern "C" fn(
+    num_attributes: c_uint,
+    attributes: *mut CUpointer_attribute,
+    data: *mut *mut c_void,
+    ptr: CUdeviceptr,
+) -> CUresult;
+pub type FnPointerSetAttribute =
+    unsafe extern "C" fn(value: *const c_void, attribute: CUpointer_attribute, ptr: CUdeviceptr) -> CUresult;
+pub type FnMemAlloc = unsafe extern "C" fn(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult;
+pub type FnMemFree = unsafe extern "C" fn(dptr: CUdeviceptr) -> CUresult;
+pub type FnMemcpyHtoD = unsafe extern "C" fn(dst: CUdeviceptr, src: *const c_void, bytes: usize) -> CUresult;
+pub type FnMemcpyDtoH = unsafe extern "C" fn(dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> CUresult;
+pub type FnMemcpyDtoD = unsafe extern "C" fn(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> CUresult;
+pub type FnMemcpyAsync =
+    unsafe extern "C" fn(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult;
+pub type FnMemcpyHtoDAsync =
+    unsafe extern "C" fn(dst: CUdeviceptr, src: *const c_void, bytes: usize, stream: CUstream) -> CUresult;
+pub type FnMemcpyDtoHAsync =
+    unsafe extern "C" fn(dst: *mut c_void, src: CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult;
+pub type FnMemcpyDtoDAsync =
+    unsafe extern "C" fn(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult;
+/// `cuMemsetD8_v2(CUdeviceptr dst, unsigned char uc, size_t n)`.
+pub type FnMemsetD8 = unsafe extern "C" fn(dst: CUdeviceptr, uc: u8, n: usize) -> CUresult;
+pub type FnStreamCreate = unsafe extern "C" fn(stream: *mut CUstream, flags: c_uint) -> CUresult;
+/// cuStreamSynchronize, cuStreamQuery, cuStreamDestroy_v2.
+pub type FnStreamOp = unsafe extern "C" fn(stream: CUstream) -> CUresult;
+pub type FnEventCreate = unsafe extern "C" fn(event: *mut CUevent, flags: c_uint) -> CUresult;
+pub type FnEventRecord = unsafe extern "C" fn(event: CUevent, stream: CUstream) -> CUresult;
+/// cuEventQuery, cuEventSynchronize, cuEventDestroy_v2.
+pub type FnEventOp = unsafe extern "C" fn(event: CUevent) -> CUresult;
+pub type FnMemHostAlloc = unsafe extern "C" fn(pp: *mut *mut c_void, bytesize: usize, flags: c_uint) -> CUresult;
+pub type FnMemFreeHost = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
+pub type FnMemHostRegister = unsafe extern "C" fn(p: *mut c_void, bytesize: usize, flags: c_uint) -> CUresult;
+pub type FnMemHostUnregister = unsafe extern "C" fn(p: *mut c_void) -> CUresult;

@@ -1,0 +1,681 @@
+//! Tests of the cuda module. Three groups:
+//! - pure tests (types, parsing, errors, the no-driver path) that run everywhere;
+//! - mock tests: a stand-in libcuda (mock_cuda.c, built with the system C compiler) loaded
+//!   through NIXL_FABRIC_CUDA_LIB in a child test process, so the whole API runs on a host
+//!   without a GPU; skipped when no C compiler is found;
+//! - GPU tests (`gpu_*`): run against the real driver, return early with
+//!   "skipped: no CUDA driver" where it is absent.
+use super::pointer::{info_from_slots, lo_u32};
+use super::sys::*;
+use super::*;
+use std::ffi::{c_long, c_void};
+use std::mem::size_of;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+// ---------------------------------------------------------------------------------------
+// Pure tests.
+
+#[test]
+fn ffi_types_have_the_c_sizes() {
+    assert_eq!(size_of::<CUresult>(), 4);
+    assert_eq!(size_of::<CUdevice>(), 4);
+    assert_eq!(size_of::<CUdeviceptr>(), 8);
+    assert_eq!(size_of::<CUpointer_attribute>(), 4);
+    assert_eq!(size_of::<CUcontext>(), size_of::<usize>());
+    assert_eq!(size_of::<CUstream>(), size_of::<usize>());
+    assert_eq!(size_of::<CUevent>(), size_of::<usize>());
+    // Function pointers are one machine word, and Option of one uses the null niche, so
+    // the Fns table holds exactly what dlsym returned.
+    assert_eq!(size_of::<FnInit>(), size_of::<usize>());
+    assert_eq!(size_of::<Option<FnPointerGetAttributes>>(), size_of::<usize>());
+    assert_eq!(size_of::<Option<FnMemsetD8>>(), size_of::<usize>());
+    assert_eq!(size_of::<Context>(), size_of::<usize>());
+    // The two pointer-sized handles we return from the attribute slots.
+    assert!(size_of::<usize>() <= size_of::<u64>());
+}
+
+#[test]
+fn memory_types_and_attribute_slots_parse() {
+    assert_eq!(MemoryType::from_raw(0), MemoryType::Unregistered);
+    assert_eq!(MemoryType::from_raw(1), MemoryType::Host);
+    assert_eq!(MemoryType::from_raw(2), MemoryType::Device);
+    assert_eq!(MemoryType::from_raw(3), MemoryType::Array);
+    assert_eq!(MemoryType::from_raw(4), MemoryType::Unified);
+    assert_eq!(MemoryType::from_raw(77), MemoryType::Other(77));
+
+    // A 4-byte value written at the start of a zeroed 8-byte slot.
+    let mut slot = 0u64;
+    // SAFETY: writes 4 bytes into an 8-byte local.
+    unsafe { *(&mut slot as *mut u64 as *mut i32) = -2 };
+    assert_eq!(lo_u32(slot) as i32, -2);
+
+    // Unregistered memory: every other slot is ignored (the driver's "NULL defaults" may
+    // include an ordinal that looks like device 0 or -2).
+    let info = info_from_slots(&[0, 0xdead, 0, 0x1000, 0x1000, 1]);
+    assert_eq!(info.memory_type, MemoryType::Unregistered);
+    assert_eq!((info.context, info.device_ordinal, info.range_start, info.range_size), (None, None, 0, 0));
+    assert!(!info.is_device() && !info.is_managed);
+
+    let info = info_from_slots(&[2, 0x5000, 1, 0x7000_0000, 1 << 20, 0]);
+    assert!(info.is_device());
+    assert_eq!(info.context.map(|c| c.id()), Some(0x5000));
+    assert_eq!(info.device_ordinal, Some(1));
+    assert!(info.contains(0x7000_0000, 1 << 20));
+    assert!(info.contains(0x7000_0010, 16));
+    assert!(!info.contains(0x7000_0010, 1 << 20));
+    assert!(!info.contains(0x6fff_ffff, 2));
+    assert!(!info.contains(u64::MAX, 2));
+
+    // Device memory without a context (pools, VMM), a negative ordinal, and a boolean
+    // written as one byte.
+    let info = info_from_slots(&[2, 0, u32::MAX as u64, 0, 0, 1]);
+    assert_eq!((info.context, info.device_ordinal), (None, None));
+    assert!(info.is_managed);
+    assert!(!info.contains(0, 0));
+}
+
+#[test]
+fn errors_name_the_call_and_map_to_statuses() {
+    use crate::error::{Error, Status};
+    let e = CudaError::Driver { func: "cuMemAlloc_v2", code: 2, name: "CUDA_ERROR_OUT_OF_MEMORY".into() };
+    assert_eq!(e.to_string(), "cuMemAlloc_v2 failed: CUDA_ERROR_OUT_OF_MEMORY (2)");
+    assert_eq!((e.func(), e.code()), (Some("cuMemAlloc_v2"), Some(2)));
+    assert_eq!(Error::from(e).status(), Status::NF_ERR_BACKEND);
+
+    let e = CudaError::Unavailable { lib: "libcuda.so.1".into(), reason: "no such file".into() };
+    assert!(e.to_string().contains("libcuda.so.1") && e.to_string().contains("no such file"));
+    assert_eq!(Error::from(e).status(), Status::NF_ERR_NOT_SUPPORTED);
+    assert_eq!(Error::from(CudaError::Missing { func: "cuMemsetD8_v2" }).status(), Status::NF_ERR_NOT_SUPPORTED);
+    assert_eq!(Error::from(CudaError::Invalid("x".into())).status(), Status::NF_ERR_INVALID_PARAM);
+
+    assert_eq!(super::error::fallback_name(600), "CUDA_ERROR_NOT_READY");
+    assert_eq!(super::error::fallback_name(123456), "unknown CUresult 123456");
+    assert!(super::memory::check_range("b", 10, 4, 6).is_ok());
+    assert!(super::memory::check_range("b", 10, 4, 7).is_err());
+    assert!(super::memory::check_range("b", 10, usize::MAX, 2).is_err());
+}
+
+#[test]
+fn missing_library_is_reported_with_the_dlopen_text() {
+    let path = "/nonexistent/nixl-fabric-test/libcuda.so.1";
+    let e = Driver::load(path).unwrap_err();
+    let msg = e.to_string();
+    match &e {
+        CudaError::Unavailable { lib, reason } => {
+            assert_eq!(lib, path);
+            assert!(reason.contains("No such file") || reason.contains(path), "{reason}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(msg.contains(path), "{msg}");
+}
+
+#[test]
+fn library_without_the_driver_api_is_refused() {
+    // libc loads but has none of the entry points.
+    let e = Driver::load("libc.so.6").unwrap_err();
+    assert!(matches!(e, CudaError::Unavailable { .. }), "{e:?}");
+    assert!(e.to_string().contains("cuInit"), "{e}");
+}
+
+#[test]
+fn without_a_driver_everything_fails_cleanly() {
+    let d = match Driver::get() {
+        Ok(d) => {
+            println!("driver present ({}); the no-driver path is covered by the load tests", d.path());
+            return;
+        }
+        Err(e) => e,
+    };
+    let msg = d.to_string();
+    assert!(msg.contains(&library_path()), "{msg}");
+    assert!(!available());
+    assert_eq!(device_count(), 0);
+    assert_eq!(unavailable_reason(), Some(msg));
+    assert!(pointer_info(0x1000).is_err());
+    assert!(Context::current().is_err());
+    assert!(Context::primary(0).is_err());
+    assert!(Context::create(0).is_err());
+    // SAFETY: not a real context, but no call below reaches the driver: each fails at
+    // Driver::get first.
+    let fake = unsafe { Context::from_raw(0x1000 as *mut c_void) }.unwrap();
+    assert!(fake.make_current().is_err());
+    assert!(fake.make_current_cached().is_err());
+    assert!(fake.device_ordinal().is_err());
+    assert!(Stream::new(&fake).is_err());
+    assert!(Event::new(&fake).is_err());
+    assert!(PinnedBuffer::new(&fake, 4096).is_err());
+    assert!(DeviceBuffer::new(&fake, 4096).is_err());
+    let mut v = vec![0u8; 64];
+    // SAFETY: v outlives the (failing) registration attempt.
+    assert!(unsafe { HostRegistration::new(&fake, v.as_mut_ptr(), v.len()) }.is_err());
+    // SAFETY: the calls fail before any memory is touched.
+    unsafe {
+        assert!(fake.copy_htod(0x1000, &[1, 2, 3]).is_err());
+        assert!(fake.copy_dtoh(&mut v, 0x1000).is_err());
+        assert!(fake.copy_dtod(0x1000, 0x2000, 8).is_err());
+    }
+    let e: crate::error::Error = Context::current().unwrap_err().into();
+    assert_eq!(e.status(), crate::error::Status::NF_ERR_NOT_SUPPORTED);
+    assert_eq!(Context::from_driver(std::ptr::null_mut()), None);
+}
+
+// ---------------------------------------------------------------------------------------
+// Mock driver tests.
+
+/// Builds mock_cuda.c into a shared library; None (skip) when there is no C compiler.
+fn build_mock() -> Option<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("nf-cuda-mock-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("mock_cuda.c");
+    std::fs::write(&src, include_str!("mock_cuda.c")).unwrap();
+    let lib = dir.join("libmockcuda.so");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = match Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .arg("-lpthread")
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            println!("skipped: no C compiler ({cc}: {e})");
+            return None;
+        }
+    };
+    assert!(out.status.success(), "mock build failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    Some(lib)
+}
+
+/// Runs one ignored test of this module in a child process with the mock as the driver.
+fn run_child(lib: &PathBuf, test: &str, env: &[(&str, &str)]) -> String {
+    let module = module_path!().split_once("::").map(|(_, m)| m).unwrap_or(module_path!());
+    let name = format!("{module}::{test}");
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", &name, "--ignored", "--nocapture", "--test-threads=1"])
+        .env(LIB_ENV, lib)
+        .env("NF_CUDA_MOCK_CHILD", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "child {name} failed:\n{text}");
+    text
+}
+
+#[test]
+fn mock_driver_end_to_end() {
+    let Some(lib) = build_mock() else { return };
+    let out = run_child(&lib, "mock_child", &[]);
+    assert!(out.contains("mock child ok: cuPointerGetAttributes"), "{out}");
+    // The one-attribute-at-a-time path (cuPointerGetAttributes refusing the request).
+    let out = run_child(&lib, "mock_child", &[("MOCK_CUDA_NO_GETATTRIBUTES", "1")]);
+    assert!(out.contains("mock child ok: cuPointerGetAttribute fallback"), "{out}");
+    // A driver that loads but has no device: cuInit fails, nothing panics.
+    run_child(&lib, "mock_no_device_child", &[("MOCK_CUDA_NO_DEVICE", "1")]);
+    let _ = std::fs::remove_dir_all(lib.parent().unwrap());
+}
+
+fn in_mock_child() -> bool {
+    std::env::var("NF_CUDA_MOCK_CHILD").is_ok()
+}
+
+type MockCounters = unsafe extern "C" fn(*mut c_long, *mut c_long, *mut c_long, *mut c_long);
+
+/// (cuCtxGetCurrent, cuCtxSetCurrent, push, pop) calls so far.
+fn mock_counts(f: MockCounters) -> (c_long, c_long, c_long, c_long) {
+    let (mut a, mut b, mut c, mut d) = (0, 0, 0, 0);
+    // SAFETY: four valid out-pointers.
+    unsafe { f(&mut a, &mut b, &mut c, &mut d) };
+    (a, b, c, d)
+}
+
+#[test]
+#[ignore = "run by mock_driver_end_to_end in a child process"]
+fn mock_no_device_child() {
+    if !in_mock_child() {
+        return;
+    }
+    let e = Driver::get().unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("cuInit") && msg.contains("CUDA_ERROR_NO_DEVICE"), "{msg}");
+    assert!(!available());
+    assert_eq!(device_count(), 0);
+}
+
+#[test]
+#[ignore = "run by mock_driver_end_to_end in a child process"]
+fn mock_child() {
+    if !in_mock_child() {
+        return;
+    }
+    let d = Driver::get().expect("mock driver loads");
+    assert_eq!(d.version(), 13000);
+    assert!(available());
+    assert_eq!(device_count(), 2);
+    // SAFETY: the mock is already loaded (same handle); mock_counters has this signature.
+    let lib = unsafe { libloading::Library::new(d.path()) }.unwrap();
+    // SAFETY: as above.
+    let counters: MockCounters = unsafe { *lib.get::<MockCounters>(b"mock_counters\0").unwrap() };
+    // SAFETY: as above.
+    let depth: unsafe extern "C" fn() -> i32 = unsafe { *lib.get(b"mock_depth\0").unwrap() };
+    let counts = || mock_counts(counters);
+
+    // Errors carry the function, the code and the driver's name for it.
+    let e = Context::primary(5).unwrap_err();
+    assert_eq!((e.func(), e.code()), (Some("cuDeviceGet"), Some(CUDA_ERROR_INVALID_DEVICE)));
+    assert!(e.to_string().contains("CUDA_ERROR_INVALID_DEVICE"), "{e}");
+    assert_eq!(d.error_name(424242), "unknown CUresult 424242");
+
+    // Retaining, creating and querying leave this thread's (empty) context stack alone.
+    assert_eq!(Context::current().unwrap(), None);
+    let p0 = Context::primary(0).unwrap();
+    let p1 = Context::primary(1).unwrap();
+    let owned = Context::create(0).unwrap();
+    assert_eq!(p1.device_ordinal().unwrap(), 1);
+    assert_eq!(owned.device_ordinal().unwrap(), 0);
+    assert_eq!(Context::current().unwrap(), None);
+    // SAFETY: mock hook without arguments.
+    assert_eq!(unsafe { depth() }, 0);
+    assert_ne!(owned.context(), p0.context());
+
+    // make_current: one cuCtxSetCurrent when it differs, none when it is current already.
+    let c0 = counts();
+    assert!(p0.make_current().unwrap());
+    assert!(!p0.make_current().unwrap());
+    let c1 = counts();
+    assert_eq!((c1.0 - c0.0, c1.1 - c0.1), (2, 1));
+    assert_eq!(Context::current().unwrap(), Some(p0.context()));
+    // The cached form makes no driver call at all on a hit...
+    let c1 = counts();
+    assert!(!p0.make_current_cached().unwrap());
+    assert_eq!(counts(), c1);
+    // ...and switches on a miss.
+    assert!(owned.make_current_cached().unwrap());
+    assert!(p1.make_current_cached().unwrap());
+    assert!(p0.make_current_cached().unwrap());
+    assert_eq!(Context::current().unwrap(), Some(p0.context()));
+    // Forgetting the record sends the next call to the driver.
+    Context::forget_thread_cache();
+    let c2 = counts();
+    assert!(!p0.make_current_cached().unwrap());
+    assert_eq!(counts().0, c2.0 + 1);
+    // Another thread's record is its own: a thread that never set a context has none,
+    // even though this one has p0 current (the stock plugin's bug is a thread like that).
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            assert_eq!(Context::current().unwrap(), None);
+            assert!(p0.make_current_cached().unwrap());
+            assert_eq!(Context::current().unwrap(), Some(p0.context()));
+        });
+    });
+
+    // Pointer attributes.
+    let which = if std::env::var("MOCK_CUDA_NO_GETATTRIBUTES").is_ok() {
+        "cuPointerGetAttribute fallback"
+    } else {
+        "cuPointerGetAttributes"
+    };
+    let host = vec![0u8; 4096];
+    let info = d.pointer_info(host.as_ptr() as u64).unwrap();
+    assert_eq!(info.memory_type, MemoryType::Unregistered);
+    assert_eq!((info.context, info.device_ordinal), (None, None));
+    let len = 1usize << 16;
+    let buf = DeviceBuffer::new(&owned, len).unwrap();
+    let info = pointer_info(buf.addr() + 100).unwrap();
+    assert!(info.is_device());
+    assert_eq!(info.context, Some(owned.context()));
+    assert_eq!(info.device_ordinal, Some(0));
+    assert_eq!((info.range_start, info.range_size), (buf.addr(), len as u64));
+    assert!(info.contains(buf.addr() + 100, 10) && !info.contains(buf.addr(), len as u64 + 1));
+    assert!(!info.is_managed);
+    let buf1 = DeviceBuffer::new(&p1, 4096).unwrap();
+    let info1 = pointer_info(buf1.addr()).unwrap();
+    assert_eq!((info1.context, info1.device_ordinal), (Some(p1.context()), Some(1)));
+    let mut pin = PinnedBuffer::new(&p0, 8192).unwrap();
+    assert!(pin.as_slice().iter().all(|&b| b == 0), "pinned memory is zeroed");
+    let info = pointer_info(pin.ptr() as u64).unwrap();
+    assert_eq!((info.memory_type, info.context), (MemoryType::Host, Some(p0.context())));
+    let mut v = vec![7u8; 4096];
+    // SAFETY: v outlives the registration.
+    let reg = unsafe { HostRegistration::new(&p0, v.as_mut_ptr(), v.len()) }.unwrap();
+    assert_eq!(pointer_info(v.as_ptr() as u64).unwrap().memory_type, MemoryType::Host);
+    drop(reg);
+    assert_eq!(pointer_info(v.as_ptr() as u64).unwrap().memory_type, MemoryType::Unregistered);
+    d.set_sync_memops(buf.addr()).unwrap();
+    let e = d.set_sync_memops(host.as_ptr() as u64).unwrap_err();
+    assert_eq!((e.func(), e.code()), (Some("cuPointerSetAttribute"), Some(CUDA_ERROR_INVALID_VALUE)));
+
+    // Device buffer helpers, from a thread whose current context is another one.
+    p1.make_current().unwrap();
+    buf.fill(0xab).unwrap();
+    assert!(buf.to_vec().unwrap().iter().all(|&b| b == 0xab));
+    buf.write(10, b"hello").unwrap();
+    let mut five = [0u8; 5];
+    buf.read(10, &mut five).unwrap();
+    assert_eq!(&five, b"hello");
+    assert!(matches!(buf.write(len - 2, b"abc"), Err(CudaError::Invalid(_))));
+    assert_eq!(Context::current().unwrap(), Some(p1.context()), "helpers push/pop");
+
+    // Synchronous copies make their context current and leave it so.
+    let other = DeviceBuffer::new(&owned, len).unwrap();
+    // SAFETY: buf and other are live device allocations of len bytes.
+    unsafe {
+        owned.copy_htod(buf.addr(), &[1, 2, 3, 4]).unwrap();
+        assert_eq!(Context::current().unwrap(), Some(owned.context()));
+        owned.copy_dtod(other.addr(), buf.addr(), len).unwrap();
+        owned.memset(other.addr() + 4, 9, 4).unwrap();
+        let mut out = [0u8; 8];
+        owned.copy_dtoh(&mut out, other.addr()).unwrap();
+        assert_eq!(out, [1, 2, 3, 4, 9, 9, 9, 9]);
+    }
+
+    // The seed bug: a thread that only receives has no context; touching the memory there
+    // fails until the captured context is made current.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let ctx = pointer_info(buf.addr()).unwrap().context.unwrap();
+            let mut tmp = [0u8; 4];
+            // SAFETY: tmp is a live 4-byte buffer; buf holds at least 4 bytes.
+            let r = unsafe { (d.f.memcpy_dtoh)(tmp.as_mut_ptr() as *mut c_void, buf.addr(), 4) };
+            assert_eq!(r, CUDA_ERROR_INVALID_CONTEXT);
+            assert!(ctx.make_current().unwrap());
+            // SAFETY: as above.
+            unsafe { ctx.copy_dtoh(&mut tmp, buf.addr()).unwrap() };
+            assert_eq!(tmp, [1, 2, 3, 4]);
+        });
+    });
+
+    // A staging pipeline: pinned -> device -> pinned on a stream, completion polled.
+    p1.make_current().unwrap();
+    let stream = Stream::new(&owned).unwrap();
+    assert_eq!(Context::current().unwrap(), Some(p1.context()), "Stream::new pushes/pops");
+    for (i, b) in pin.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let back = PinnedBuffer::new(&p0, 8192).unwrap();
+    // Stream work needs its context current; the engine makes it current itself.
+    owned.make_current().unwrap();
+    // SAFETY: pin, back and buf stay alive and untouched until the events report ready.
+    unsafe { stream.copy_htod_async(buf.addr(), pin.ptr(), 8192).unwrap() };
+    let ev = stream.record().unwrap();
+    assert!(!ev.query().unwrap(), "mock events are not ready on the first query");
+    assert!(poll(&ev));
+    // SAFETY: as above.
+    unsafe { stream.copy_dtoh_async(back.ptr(), buf.addr(), 8192).unwrap() };
+    stream.record_event(&ev).unwrap();
+    assert!(poll(&ev));
+    assert_eq!(pin.as_slice(), back.as_slice());
+    // SAFETY: buf and other are live device allocations of len bytes.
+    unsafe {
+        stream.copy_dtod_async(other.addr(), buf.addr(), 64).unwrap();
+        stream.copy_async(other.addr() + 64, buf.addr(), 64).unwrap();
+    }
+    assert!(stream.query().unwrap());
+    stream.synchronize().unwrap();
+    ev.synchronize().unwrap();
+    // From a thread with no context the stream refuses work until its context is made
+    // current there (the seed bug, and its fix).
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            assert!(stream.record_event(&ev).is_err(), "no context on a fresh thread");
+            owned.make_current().unwrap();
+            stream.record_event(&ev).unwrap();
+            assert!(poll(&ev));
+        });
+    });
+    let mut head = [0u8; 128];
+    other.read(0, &mut head).unwrap();
+    assert_eq!(&head[..64], &pin.as_slice()[..64]);
+    assert_eq!(&head[64..], &pin.as_slice()[..64]);
+
+    // Teardown in any order leaves the thread's context stack balanced; destroying a
+    // context invalidates every thread's cached record.
+    drop((ev, stream, pin, back, buf, other, buf1));
+    p0.make_current().unwrap();
+    let before = counts();
+    drop(owned);
+    assert!(!p0.make_current_cached().unwrap());
+    let after = counts();
+    assert_eq!(after.0, before.0 + 1, "a destroyed context forces a driver check");
+    assert_eq!(after.3 - after.2, 1, "every push was popped (plus the pop after cuCtxCreate)");
+    // SAFETY: mock hook without arguments.
+    assert_eq!(unsafe { depth() }, 1);
+    drop((p0, p1));
+    println!("mock child ok: {which}");
+}
+
+/// Polls an event until ready, for at most 5 seconds.
+fn poll(ev: &Event) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if ev.query().unwrap() {
+            return true;
+        }
+        std::thread::yield_now();
+    }
+    false
+}
+
+// ---------------------------------------------------------------------------------------
+// GPU tests: the real driver. Run on the GPU machine with
+//   cargo test --release --lib cuda:: -- --nocapture --test-threads=1
+
+fn gpu() -> Option<&'static Driver> {
+    match Driver::get() {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("skipped: no CUDA driver ({e})");
+            None
+        }
+    }
+}
+
+#[test]
+fn gpu_pointer_info_classifies_memory() {
+    let Some(d) = gpu() else { return };
+    println!("driver {} version {}, {} device(s)", d.path(), d.version(), device_count());
+    let p0 = Context::primary(0).unwrap();
+    let host = vec![1u8; 1 << 20];
+    let info = d.pointer_info(host.as_ptr() as u64).unwrap();
+    assert_eq!(info.memory_type, MemoryType::Unregistered, "{info:?}");
+    assert_eq!(info.context, None);
+    let len = 4usize << 20;
+    let buf = DeviceBuffer::new(&p0, len).unwrap();
+    let info = d.pointer_info(buf.addr() + 4096).unwrap();
+    println!("device buffer: {info:?}");
+    assert!(info.is_device());
+    assert_eq!(info.context, Some(p0.context()));
+    assert_eq!(info.device_ordinal, Some(0));
+    assert_eq!(info.range_start, buf.addr());
+    assert!(info.range_size >= len as u64);
+    assert!(!info.is_managed);
+    let pin = PinnedBuffer::new(&p0, 1 << 20).unwrap();
+    let info = d.pointer_info(pin.ptr() as u64).unwrap();
+    println!("pinned buffer: {info:?}");
+    assert_eq!(info.memory_type, MemoryType::Host);
+    // Page-aligned host memory, registered in place.
+    let layout = std::alloc::Layout::from_size_align(1 << 20, 4096).unwrap();
+    // SAFETY: non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    assert!(!p.is_null());
+    // SAFETY: p stays allocated until after the registration is dropped.
+    let reg = unsafe { HostRegistration::new(&p0, p, layout.size()) }.unwrap();
+    let info = d.pointer_info(p as u64 + 100).unwrap();
+    println!("registered host memory: {info:?}");
+    assert_eq!(info.memory_type, MemoryType::Host);
+    drop(reg);
+    assert_eq!(d.pointer_info(p as u64).unwrap().memory_type, MemoryType::Unregistered);
+    // SAFETY: allocated above with this layout, no longer registered.
+    unsafe { std::alloc::dealloc(p, layout) };
+    d.set_sync_memops(buf.addr()).unwrap();
+    assert!(d.pointer_info(0).is_ok());
+}
+
+#[test]
+fn gpu_fresh_thread_has_no_context_until_made_current() {
+    let Some(_) = gpu() else { return };
+    let p0 = Context::primary(0).unwrap();
+    let buf = DeviceBuffer::new(&p0, 1 << 20).unwrap();
+    buf.fill(0x5a).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            assert_eq!(Context::current().unwrap(), None, "a new thread starts without a context");
+            let ctx = pointer_info(buf.addr()).unwrap().context.unwrap();
+            assert!(ctx.make_current().unwrap());
+            assert!(!ctx.make_current().unwrap());
+            assert!(!ctx.make_current_cached().unwrap());
+            assert_eq!(Context::current().unwrap(), Some(ctx));
+            let mut out = vec![0u8; 1 << 20];
+            // SAFETY: buf is a live device allocation of 1 MiB.
+            unsafe { ctx.copy_dtoh(&mut out, buf.addr()).unwrap() };
+            assert!(out.iter().all(|&b| b == 0x5a));
+        });
+    });
+}
+
+#[test]
+fn gpu_two_contexts_on_one_device() {
+    let Some(_) = gpu() else { return };
+    let p0 = Context::primary(0).unwrap();
+    let owned = Context::create(0).unwrap();
+    assert_ne!(owned.context(), p0.context());
+    let a = DeviceBuffer::new(&p0, 1 << 20).unwrap();
+    let b = DeviceBuffer::new(&owned, 1 << 20).unwrap();
+    assert_eq!(pointer_info(a.addr()).unwrap().context, Some(p0.context()));
+    assert_eq!(pointer_info(b.addr()).unwrap().context, Some(owned.context()));
+    assert_eq!(owned.device_ordinal().unwrap(), 0);
+    // Switch back and forth on one thread; each copy runs under its own context.
+    for i in 0..4u8 {
+        // SAFETY: a and b are live device allocations of 1 MiB.
+        unsafe {
+            p0.copy_htod(a.addr(), &[i; 4096]).unwrap();
+            assert_eq!(Context::current().unwrap(), Some(p0.context()));
+            owned.copy_htod(b.addr(), &[i + 100; 4096]).unwrap();
+            assert_eq!(Context::current().unwrap(), Some(owned.context()));
+        }
+        let mut x = [0u8; 4096];
+        a.read(0, &mut x).unwrap();
+        assert!(x.iter().all(|&v| v == i));
+        b.read(0, &mut x).unwrap();
+        assert!(x.iter().all(|&v| v == i + 100));
+    }
+    drop((a, b));
+    drop(owned);
+    Context::forget_thread_cache();
+}
+
+#[test]
+fn gpu_pipelined_staging_copies() {
+    let Some(_) = gpu() else { return };
+    let owned = Context::create(0).unwrap();
+    const TOTAL: usize = 16 << 20;
+    const CHUNK: usize = 1 << 20;
+    let src = DeviceBuffer::new(&owned, TOTAL).unwrap();
+    let dst = DeviceBuffer::new(&owned, TOTAL).unwrap();
+    let pattern: Vec<u8> = (0..TOTAL).map(|i| (i * 7 % 253) as u8).collect();
+    src.write(0, &pattern).unwrap();
+    dst.fill(0).unwrap();
+    // Device -> two pinned chunks -> device, double-buffered, completions polled, from a
+    // thread that starts without a context (as a receiving progress thread does).
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let down = Stream::new(&owned).unwrap();
+            let up = Stream::new(&owned).unwrap();
+            owned.make_current().unwrap();
+            let bufs = [PinnedBuffer::new(&owned, CHUNK).unwrap(), PinnedBuffer::new(&owned, CHUNK).unwrap()];
+            let mut up_done: [Option<Event>; 2] = [None, None];
+            let t = Instant::now();
+            for (n, off) in (0..TOTAL).step_by(CHUNK).enumerate() {
+                let slot = n % 2;
+                if let Some(ev) = &up_done[slot] {
+                    assert!(poll(ev), "upload of chunk {} did not finish", n - 2);
+                }
+                let b = &bufs[slot];
+                // SAFETY: b is not in use (its previous upload finished); src/dst are live.
+                unsafe { down.copy_dtoh_async(b.ptr(), src.addr() + off as u64, CHUNK).unwrap() };
+                let ev = down.record().unwrap();
+                assert!(poll(&ev));
+                // SAFETY: as above; the download into b is complete.
+                unsafe { up.copy_htod_async(dst.addr() + off as u64, b.ptr(), CHUNK).unwrap() };
+                up_done[slot] = Some(up.record().unwrap());
+            }
+            up.synchronize().unwrap();
+            let secs = t.elapsed().as_secs_f64();
+            println!("staged {} MiB through pinned chunks in {:.2} ms ({:.1} GB/s)", TOTAL >> 20, secs * 1e3, TOTAL as f64 / secs / 1e9);
+        });
+    });
+    assert_eq!(dst.to_vec().unwrap(), pattern);
+}
+
+#[test]
+fn gpu_multi_device_contexts() {
+    let Some(_) = gpu() else { return };
+    let n = device_count();
+    if n < 2 {
+        println!("skipped: {n} device(s)");
+        return;
+    }
+    let ctxs: Vec<_> = (0..n as i32).map(|i| Context::primary(i).unwrap()).collect();
+    let bufs: Vec<_> = ctxs.iter().map(|c| DeviceBuffer::new(c, 1 << 20).unwrap()).collect();
+    for (i, b) in bufs.iter().enumerate() {
+        let info = pointer_info(b.addr()).unwrap();
+        assert_eq!(info.device_ordinal, Some(i as i32));
+        assert_eq!(info.context, Some(ctxs[i].context()));
+        assert_eq!(ctxs[i].device_ordinal().unwrap(), i as i32);
+    }
+}
+
+/// The cost of applying a context per progress pass. Timings are printed, not asserted;
+/// run with --release for meaningful numbers.
+#[test]
+fn gpu_make_current_cost() {
+    let Some(d) = gpu() else { return };
+    let p0 = Context::primary(0).unwrap();
+    let owned = Context::create(0).unwrap();
+    let buf = DeviceBuffer::new(&p0, 4096).unwrap();
+    const N: u32 = 200_000;
+    let time = |name: &str, f: &mut dyn FnMut()| {
+        for _ in 0..1000 {
+            f();
+        }
+        let t = Instant::now();
+        for _ in 0..N {
+            f();
+        }
+        let ns = t.elapsed().as_nanos() as f64 / N as f64;
+        println!("{name:<48} {ns:8.1} ns/call");
+        ns
+    };
+    p0.make_current().unwrap();
+    time("cuCtxGetCurrent (raw)", &mut || {
+        let mut c: CUcontext = std::ptr::null_mut();
+        // SAFETY: c is a valid out-pointer.
+        unsafe { (d.f.ctx_get_current)(&mut c) };
+    });
+    time("cuCtxSetCurrent, same context (raw)", &mut || {
+        // SAFETY: p0 is a live retained context.
+        unsafe { (d.f.ctx_set_current)(p0.as_raw()) };
+    });
+    let hit = time("make_current, already current", &mut || {
+        p0.make_current().unwrap();
+    });
+    let cached = time("make_current_cached, already current", &mut || {
+        p0.make_current_cached().unwrap();
+    });
+    time("make_current, alternating two contexts", &mut || {
+        p0.make_current().unwrap();
+        owned.make_current().unwrap();
+    });
+    time("pointer_info (registration path)", &mut || {
+        d.pointer_info(buf.addr()).unwrap();
+    });
+    println!("per-pass cost for one context: truthful {hit:.1} ns, cached {cached:.1} ns (target <= 50 ns)");
+    drop(buf);
+    drop(owned);
+    Context::forget_thread_cache();
+}

@@ -1,0 +1,119 @@
+//! GPU memory in the engine: classifying registrations, the per-engine registry of device
+//! regions and their captured contexts (DESIGN rule 4), and copies for loopback.
+use super::registry::LocalMem;
+use crate::cuda;
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, Weak};
+
+/// What a VRAM registration captured: its owning context and device, and whether peers
+/// reach it through staging (no FI_HMEM MR) or directly.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceMem {
+    pub ctx: cuda::Context,
+    pub ordinal: i32,
+    pub staged: bool,
+}
+
+/// Checks that `[addr, addr+len)` is what it claims to be: device memory of one
+/// allocation for VRAM (capturing its context), and not device memory for DRAM.
+pub fn classify(addr: u64, len: u64, vram: bool) -> Result<Option<cuda::PointerInfo>> {
+    if !vram {
+        // Without a driver nothing can be device memory.
+        if let Ok(d) = cuda::Driver::get() {
+            if let Ok(info) = d.pointer_info(addr) {
+                if info.is_device() {
+                    return Err(Error::InvalidParam(format!("{addr:#x} is device memory (GPU {}) but was registered as DRAM", info.device_ordinal.unwrap_or(-1))));
+                }
+            }
+        }
+        return Ok(None);
+    }
+    let d = cuda::Driver::get().map_err(|e| Error::NotSupported(format!("VRAM registration needs the CUDA driver: {e}")))?;
+    let info = d.pointer_info(addr).map_err(|e| Error::InvalidParam(format!("{addr:#x} is not device memory: {e}")))?;
+    if !info.is_device() {
+        return Err(Error::InvalidParam(format!("{addr:#x} is host memory ({:?}) but was registered as VRAM", info.memory_type)));
+    }
+    if !info.contains(addr, len) {
+        return Err(Error::InvalidParam(format!(
+            "[{addr:#x}, +{len}) is not inside one device allocation [{:#x}, +{})", info.range_start, info.range_size
+        )));
+    }
+    if info.context.is_none() {
+        return Err(Error::NotSupported(format!("device memory at {addr:#x} belongs to no context (VMM or pool allocation)")));
+    }
+    Ok(Some(info))
+}
+
+/// The engine's device regions (for checking peers' stage requests) and the distinct
+/// contexts they were captured from. `version` changes whenever the context list does, so
+/// the driver refreshes its copy cheaply.
+#[derive(Default)]
+pub struct GpuRegistry {
+    regions: Mutex<BTreeMap<u64, Weak<LocalMem>>>,
+    contexts: Mutex<Vec<(cuda::Context, usize)>>,
+    version: AtomicU64,
+}
+
+impl GpuRegistry {
+    pub fn add(&self, mem: &std::sync::Arc<LocalMem>, ctx: cuda::Context) {
+        let mut r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        r.retain(|_, w| w.strong_count() > 0);
+        r.insert(mem.base, std::sync::Arc::downgrade(mem));
+        let mut c = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        match c.iter_mut().find(|(x, _)| x.id() == ctx.id()) {
+            Some((_, n)) => *n += 1,
+            None => {
+                c.push((ctx, 1));
+                self.version.fetch_add(1, Ordering::Release);
+            }
+        }
+    }
+
+    pub fn remove(&self, base: u64, ctx: cuda::Context) {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).remove(&base);
+        let mut c = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = c.iter().position(|(x, _)| x.id() == ctx.id()) {
+            c[i].1 -= 1;
+            if c[i].1 == 0 {
+                c.remove(i);
+                self.version.fetch_add(1, Ordering::Release);
+            }
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    pub fn contexts(&self) -> Vec<cuda::Context> {
+        self.contexts.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(c, _)| *c).collect()
+    }
+
+    /// The live device registration holding all of `[addr, addr+len)`, if any.
+    pub fn find(&self, addr: u64, len: u64) -> Option<std::sync::Arc<LocalMem>> {
+        let r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        let (_, w) = r.range(..=addr).next_back()?;
+        let m = w.upgrade()?;
+        m.check(addr, len, "stage request").ok()?;
+        Some(m)
+    }
+}
+
+/// Loopback copy where either side may be device memory.
+///
+/// # Safety
+/// Both ranges must be valid for `len` bytes and not touched by anyone else meanwhile.
+pub unsafe fn copy(dst: u64, dst_dev: Option<&DeviceMem>, src: u64, src_dev: Option<&DeviceMem>, len: usize) -> Result<()> {
+    // SAFETY: forwarded from the caller for every branch.
+    unsafe {
+        match (dst_dev, src_dev) {
+            (None, None) => std::ptr::copy(src as *const u8, dst as *mut u8, len),
+            (Some(d), None) => d.ctx.copy_htod(dst, std::slice::from_raw_parts(src as *const u8, len))?,
+            (None, Some(s)) => s.ctx.copy_dtoh(std::slice::from_raw_parts_mut(dst as *mut u8, len), src)?,
+            (Some(d), Some(_)) => d.ctx.copy_dtod(dst, src, len)?,
+        }
+    }
+    Ok(())
+}
