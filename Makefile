@@ -59,6 +59,7 @@ unit-test: deps | $(STAMP)
 -include plugin_tests/harness.mk
 -include plugin_tests/agent.mk
 -include tests/python/python.mk
+-include plugin_tests/gpu.mk
 
 TEST_TARGETS ?=
 test: build check-header unit-test $(TEST_TARGETS)

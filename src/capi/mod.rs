@@ -115,22 +115,31 @@ pub struct nf_request {
     release_refused: bool,
 }
 
-fn handle<'a, T>(p: *const T, magic: u64, what: &str) -> Result<&'a T, Error> {
+/// Handle types carry a magic number in a named field, so a pointer we never handed out
+/// (or one already freed) is refused instead of used.
+trait Magic {
+    fn magic(&self) -> u64;
+}
+macro_rules! magic {
+    ($($t:ty),*) => { $(impl Magic for $t { fn magic(&self) -> u64 { self.magic } })* };
+}
+magic!(nf_config, nf_engine, nf_mem, nf_rmem, nf_request);
+
+fn handle<'a, T: Magic>(p: *const T, magic: u64, what: &str) -> Result<&'a T, Error> {
     if p.is_null() {
         return Err(Error::InvalidParam(format!("{what} is NULL")));
     }
-    // SAFETY: every handle type starts with its u64 magic (repr(Rust) keeps the first field
-    // readable through the object pointer we handed out); a pointer we never handed out is
-    // refused when the magic differs.
-    let m = unsafe { *(p as *const u64) };
-    if m != magic {
+    // SAFETY: a non-NULL handle pointer from the caller points at a handle we allocated
+    // (Box::into_raw) and have not freed; freeing zeroes the magic first, so a stale
+    // pointer to memory not yet reused reads a wrong magic and is refused.
+    let h = unsafe { &*p };
+    if h.magic() != magic {
         return Err(Error::InvalidParam(format!("{what} is not a live handle")));
     }
-    // SAFETY: the magic matched, so p is a live handle created by Box::into_raw.
-    Ok(unsafe { &*p })
+    Ok(h)
 }
 
-fn handle_mut<'a, T>(p: *mut T, magic: u64, what: &str) -> Result<&'a mut T, Error> {
+fn handle_mut<'a, T: Magic>(p: *mut T, magic: u64, what: &str) -> Result<&'a mut T, Error> {
     handle(p as *const T, magic, what)?;
     // SAFETY: validated above; the caller owns the handle exclusively for this call.
     Ok(unsafe { &mut *p })

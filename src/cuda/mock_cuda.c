@@ -244,6 +244,7 @@ static CUresult stream_ok(CUstream s) {
     if (s == NULL) return OK; /* legacy default stream */
     return s->ctx == cur() ? OK : INVALID_CONTEXT;
 }
+CUresult cuCtxSynchronize(void) { return cur() ? OK : INVALID_CONTEXT; }
 CUresult cuStreamCreate(CUstream *s, unsigned flags) {
     if (flags != 1) return INVALID_VALUE; /* we always ask for NON_BLOCKING */
     if (!cur()) return INVALID_CONTEXT;
