@@ -37,8 +37,9 @@ fn main() {
         .write_to_file(out.join("fabric_sys.rs"))
         .expect("write fabric_sys.rs");
 
-    build_adapter();
+    // The adapter includes the header, so generate it first.
     generate_header();
+    build_adapter();
 }
 
 /// The NIXL adapter is C++ (the agent calls virtual methods), compiled with hidden

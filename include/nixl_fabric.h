@@ -9,43 +9,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// `CUmemorytype` values (0 is what cuPointerGetAttributes reports for unknown memory).
-#define CU_MEMORYTYPE_HOST 1
-
-#define CU_MEMORYTYPE_DEVICE 2
-
-#define CU_MEMORYTYPE_ARRAY 3
-
-#define CU_MEMORYTYPE_UNIFIED 4
-
-#define CU_MEMHOSTALLOC_PORTABLE 1
-
-#define CU_MEMHOSTALLOC_DEVICEMAP 2
-
-#define CU_MEMHOSTREGISTER_PORTABLE 1
-
-#define CU_MEMHOSTREGISTER_DEVICEMAP 2
-
-// Stream that does not synchronize with the legacy default (NULL) stream.
-#define CU_STREAM_NON_BLOCKING 1
-
-// Event without timing data (cheaper to record and query).
-#define CU_EVENT_DISABLE_TIMING 2
-
-#define CONN_VERSION 1
-
-#define MEM_VERSION 1
-
-#define CTRL_VERSION 1
-
-#define MAX_RAILS 64
-
-#define MAX_ADDR_LEN 1024
-
-#define MAX_NAME_LEN 4096
-
-#define CTRL_HEADER (((((2 + 1) + 1) + 8) + 2) + 4)
-
 // Memory types, equal to NIXL's `nixl_mem_t`.
 typedef enum {
   NF_MEM_DRAM = 0,
@@ -138,51 +101,8 @@ typedef void (*nf_notif_cb)(void *ctx,
                             const uint8_t *msg,
                             size_t msg_len);
 
-// `CUresult`: a C enum, passed and returned as `int`.
-typedef int CUresult;
-
 // `CUpointer_attribute`: a C enum, passed as `unsigned int`.
 typedef unsigned int CUpointer_attribute;
-
-#define CUDA_SUCCESS 0
-
-#define CUDA_ERROR_INVALID_VALUE 1
-
-#define CUDA_ERROR_OUT_OF_MEMORY 2
-
-#define CUDA_ERROR_NOT_INITIALIZED 3
-
-#define CUDA_ERROR_DEINITIALIZED 4
-
-#define CUDA_ERROR_STUB_LIBRARY 34
-
-#define CUDA_ERROR_NO_DEVICE 100
-
-#define CUDA_ERROR_INVALID_DEVICE 101
-
-#define CUDA_ERROR_INVALID_CONTEXT 201
-
-#define CUDA_ERROR_INVALID_HANDLE 400
-
-#define CUDA_ERROR_NOT_FOUND 500
-
-#define CUDA_ERROR_NOT_READY 600
-
-#define CUDA_ERROR_ILLEGAL_ADDRESS 700
-
-#define CU_POINTER_ATTRIBUTE_CONTEXT 1
-
-#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
-
-#define CU_POINTER_ATTRIBUTE_SYNC_MEMOPS 6
-
-#define CU_POINTER_ATTRIBUTE_IS_MANAGED 8
-
-#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
-
-#define CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11
-
-#define CU_POINTER_ATTRIBUTE_RANGE_SIZE 12
 
 #ifdef __cplusplus
 extern "C" {
@@ -285,6 +205,10 @@ nf_status nf_rmem_load(nf_engine *engine,
                        size_t len,
                        nf_rmem **out_rmem);
 
+// Checks that a loaded target describes [addr, addr+len) of memory type `mem_type`, as the
+// caller (the agent) believes; NF_ERR_MISMATCH otherwise.
+nf_status nf_rmem_check(const nf_rmem *rmem, uint64_t addr, uint64_t len, uint32_t mem_type);
+
 // A transfer target naming one of our own registrations, for loopback transfers. It
 // stays valid after `nf_mem_deregister` of `local` until unloaded.
 nf_status nf_rmem_self(nf_engine *engine, const nf_mem *local, nf_rmem **out_rmem);
@@ -315,9 +239,11 @@ nf_status nf_request_post(nf_engine *engine,
 // Status of the last post: NF_SUCCESS, NF_IN_PROG or the error that failed it.
 nf_status nf_request_check(nf_engine *engine, nf_request *req);
 
-// Releases a request. One in flight is cancelled and drained (bounded by timeout_ms);
-// if it cannot drain in time the call returns NF_ERR_REPOST_ACTIVE and keeps the handle,
-// and a second call frees it regardless (late completions are absorbed internally).
+// Releases a request. One in flight (status NF_IN_PROG) is cancelled and drained, bounded
+// by timeout_ms; if it cannot drain in time the call returns NF_ERR_REPOST_ACTIVE and
+// keeps the handle (NIXL's failed abort), and a second call frees it regardless. A request
+// not in flight is always freed; operations a failed post left with the provider are
+// absorbed internally and never touch freed memory.
 nf_status nf_request_release(nf_engine *engine, nf_request *req);
 
 // Hands every notification received since the last call to `cb`, in arrival order per

@@ -77,6 +77,8 @@ pub enum Error {
     Malformed { what: &'static str, why: String },
     /// A remote blob came from an incompatible format version.
     Version { what: &'static str, ours: u16, theirs: u16 },
+    /// Two descriptions of the same thing disagree (e.g. the agent's and the blob's).
+    Mismatch(String),
     /// A peer, registration or request that the call names is not known.
     NotFound(String),
     /// The peer stopped answering or went away.
@@ -106,7 +108,7 @@ impl Error {
             Error::Completion { errno, .. } => errno_status(*errno),
             Error::InvalidParam(_) => NF_ERR_INVALID_PARAM,
             Error::Malformed { .. } => NF_ERR_INVALID_PARAM,
-            Error::Version { .. } => NF_ERR_MISMATCH,
+            Error::Version { .. } | Error::Mismatch(_) => NF_ERR_MISMATCH,
             Error::NotFound(_) => NF_ERR_NOT_FOUND,
             Error::Disconnected(_) | Error::Timeout(_) => NF_ERR_REMOTE_DISCONNECT,
             Error::Canceled => NF_ERR_CANCELED,
@@ -148,6 +150,7 @@ impl fmt::Display for Error {
                 f,
                 "{what} has format version {theirs}, this build speaks version {ours}"
             ),
+            Error::Mismatch(s) => write!(f, "mismatch: {s}"),
             Error::NotFound(s) => write!(f, "not found: {s}"),
             Error::Disconnected(s) => write!(f, "peer disconnected: {s}"),
             Error::Timeout(s) => write!(f, "timed out: {s}"),

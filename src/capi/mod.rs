@@ -463,6 +463,17 @@ pub extern "C" fn nf_rmem_load(engine: *mut nf_engine, peer: *const c_char, data
     })
 }
 
+/// Checks that a loaded target describes [addr, addr+len) of memory type `mem_type`, as the
+/// caller (the agent) believes; NF_ERR_MISMATCH otherwise.
+#[no_mangle]
+pub extern "C" fn nf_rmem_check(rmem: *const nf_rmem, addr: u64, len: u64, mem_type: u32) -> nf_status {
+    guard("nf_rmem_check", || {
+        let r = handle(rmem, RMEM_MAGIC, "rmem")?;
+        r.rmem.matches(addr, len, engine::MemKind::from_raw(mem_type)?)?;
+        ok()
+    })
+}
+
 /// A transfer target naming one of our own registrations, for loopback transfers. It
 /// stays valid after `nf_mem_deregister` of `local` until unloaded.
 #[no_mangle]
@@ -551,16 +562,19 @@ pub extern "C" fn nf_request_check(engine: *mut nf_engine, req: *mut nf_request)
     })
 }
 
-/// Releases a request. One in flight is cancelled and drained (bounded by timeout_ms);
-/// if it cannot drain in time the call returns NF_ERR_REPOST_ACTIVE and keeps the handle,
-/// and a second call frees it regardless (late completions are absorbed internally).
+/// Releases a request. One in flight (status NF_IN_PROG) is cancelled and drained, bounded
+/// by timeout_ms; if it cannot drain in time the call returns NF_ERR_REPOST_ACTIVE and
+/// keeps the handle (NIXL's failed abort), and a second call frees it regardless. A request
+/// not in flight is always freed; operations a failed post left with the provider are
+/// absorbed internally and never touch freed memory.
 #[no_mangle]
 pub extern "C" fn nf_request_release(engine: *mut nf_engine, req: *mut nf_request) -> nf_status {
     guard("nf_request_release", || {
         let e = handle(engine, ENGINE_MAGIC, "engine")?;
         let r = handle_mut(req, REQ_MAGIC, "request")?;
+        let aborting = r.req.status() == Status::NF_IN_PROG;
         let drained = e.engine.release(&r.req);
-        if !drained && !r.release_refused {
+        if !drained && aborting && !r.release_refused {
             r.release_refused = true;
             return Ok(Status::NF_ERR_REPOST_ACTIVE);
         }

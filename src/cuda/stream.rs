@@ -111,9 +111,16 @@ impl Stream {
         d.check("cuMemcpyAsync", unsafe { copy(dst, src, len, self.raw) })
     }
 
-    /// Records a new event after everything queued so far.
+    /// Records a new event after everything queued so far. The event is created in the
+    /// thread's current context, which must be the stream's: the staging pipeline relies on
+    /// the progress loop having made it current (rule 4), and a thread without it fails here
+    /// with CUDA_ERROR_INVALID_CONTEXT rather than later.
     pub fn record(&self) -> Result<Event> {
-        let ev = Event::new(&self.ctx)?;
+        let d = Driver::get()?;
+        let mut raw: CUevent = std::ptr::null_mut();
+        // SAFETY: raw is a valid out-pointer; cuEventCreate uses the current context.
+        d.check("cuEventCreate", unsafe { (d.f.event_create)(&mut raw, CU_EVENT_DISABLE_TIMING) })?;
+        let ev = Event { raw, ctx: self.ctx };
         self.record_event(&ev)?;
         Ok(ev)
     }
@@ -189,8 +196,7 @@ impl Event {
         self.ctx
     }
 
-    /// Whether the work before the last record is done (cuEventQuery; never blocks). Makes
-    /// the event's context current on the calling thread first.
+    /// Whether the work before the last record is done (cuEventQuery; never blocks).
     /// Needs the event's context current on the calling thread (see `Stream::enter`).
     pub fn query(&self) -> Result<bool> {
         let d = Driver::get()?;

@@ -135,6 +135,20 @@ pub enum RemoteMem {
 }
 
 impl RemoteMem {
+    /// Whether this target is [addr, addr+len) of `kind`, as a caller believes.
+    pub fn matches(&self, addr: u64, len: u64, kind: MemKind) -> Result<()> {
+        let (base, size, k) = match self {
+            RemoteMem::Peer { desc, .. } => (desc.base, desc.len, desc.mem_type as u32),
+            RemoteMem::Local(m) => (m.base, m.len, m.kind as u32),
+        };
+        if base != addr || size != len || k != kind as u32 {
+            return Err(Error::Mismatch(format!(
+                "descriptor is [{base:#x}, +{size}) type {k}, expected [{addr:#x}, +{len}) type {}", kind as u32
+            )));
+        }
+        Ok(())
+    }
+
     pub fn check(&self, addr: u64, len: u64) -> Result<()> {
         match self {
             RemoteMem::Peer { desc, .. } => check_range(desc.base, desc.len, addr, len, "remote descriptor"),

@@ -1,0 +1,386 @@
+// The 27 engine slots, each a conversion between NIXL's C++ types and one nf_* call.
+#include "fabric_engine.h"
+
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+namespace nf::adapter {
+
+// nf_status is nixl_status_t value for value (include/nixl_fabric.h), so statuses map 1:1.
+static_assert(int(NF_IN_PROG) == NIXL_IN_PROG && int(NF_SUCCESS) == NIXL_SUCCESS);
+static_assert(int(NF_ERR_NOT_POSTED) == NIXL_ERR_NOT_POSTED);
+static_assert(int(NF_ERR_INVALID_PARAM) == NIXL_ERR_INVALID_PARAM);
+static_assert(int(NF_ERR_BACKEND) == NIXL_ERR_BACKEND);
+static_assert(int(NF_ERR_NOT_FOUND) == NIXL_ERR_NOT_FOUND);
+static_assert(int(NF_ERR_MISMATCH) == NIXL_ERR_MISMATCH);
+static_assert(int(NF_ERR_NOT_ALLOWED) == NIXL_ERR_NOT_ALLOWED);
+static_assert(int(NF_ERR_REPOST_ACTIVE) == NIXL_ERR_REPOST_ACTIVE);
+static_assert(int(NF_ERR_UNKNOWN) == NIXL_ERR_UNKNOWN);
+static_assert(int(NF_ERR_NOT_SUPPORTED) == NIXL_ERR_NOT_SUPPORTED);
+static_assert(int(NF_ERR_REMOTE_DISCONNECT) == NIXL_ERR_REMOTE_DISCONNECT);
+static_assert(int(NF_ERR_CANCELED) == NIXL_ERR_CANCELED);
+// Memory types and operations are NIXL's values too.
+static_assert(int(NF_MEM_DRAM) == DRAM_SEG && int(NF_MEM_VRAM) == VRAM_SEG);
+static_assert(int(NF_OP_READ) == NIXL_READ && int(NF_OP_WRITE) == NIXL_WRITE);
+static_assert(sizeof(nf_xfer_desc) == 24);
+
+namespace {
+
+nixl_status_t to_nixl(nf_status s) { return static_cast<nixl_status_t>(static_cast<int>(s)); }
+
+const uint8_t *bytes(const std::string &s) { return reinterpret_cast<const uint8_t *>(s.data()); }
+
+// Runs a method body; no exception may reach the agent (ABI doc §1).
+template <class F> nixl_status_t guarded(F &&body) noexcept {
+    try {
+        return body();
+    } catch (const std::bad_alloc &) {
+        return NIXL_ERR_BACKEND;
+    } catch (const std::exception &) {
+        return NIXL_ERR_BACKEND;
+    } catch (...) {
+        return NIXL_ERR_UNKNOWN;
+    }
+}
+
+// A library-allocated blob, released on every path.
+struct Blob {
+    nf_blob b{nullptr, 0};
+    Blob() = default;
+    Blob(const Blob &) = delete;
+    Blob &operator=(const Blob &) = delete;
+    ~Blob() { nf_blob_free(&b); }
+    void copy_to(std::string &out) const { out.assign(reinterpret_cast<const char *>(b.data), b.len); }
+};
+
+const LocalMD *as_local(const nixlBackendMD *md) {
+    auto *a = static_cast<const AdapterMD *>(md);
+    return (a && a->kind() == AdapterMD::Kind::Local) ? static_cast<const LocalMD *>(a) : nullptr;
+}
+
+const TargetMD *as_target(const nixlBackendMD *md) {
+    auto *a = static_cast<const AdapterMD *>(md);
+    return (a && a->kind() == AdapterMD::Kind::Target) ? static_cast<const TargetMD *>(a) : nullptr;
+}
+
+FabricReqH *as_req(nixlBackendReqH *h) {
+    auto *r = static_cast<FabricReqH *>(h);
+    return (r && r->magic == FabricReqH::kMagic) ? r : nullptr;
+}
+
+// Context of nf_engine_get_notifs: appends into the agent's list. An exception must not
+// unwind through the Rust frames that call the callback, so it is caught and recorded.
+struct NotifSink {
+    notif_list_t *list;
+    bool failed = false;
+};
+
+void on_notif(void *ctx, const char *sender, size_t sender_len, const uint8_t *msg,
+              size_t msg_len) noexcept {
+    auto *sink = static_cast<NotifSink *>(ctx);
+    try {
+        sink->list->emplace_back(std::string(sender, sender_len),
+                                 std::string(reinterpret_cast<const char *>(msg), msg_len));
+    } catch (...) {
+        sink->failed = true;
+    }
+}
+
+} // namespace
+
+// ---- construction ------------------------------------------------------------------------
+
+FabricEngine::FabricEngine(const nixlBackendInitParams *init) : nixlBackendEngine(init) {
+    nf_config *cfg = nullptr;
+    try {
+        if (nf_config_new(&cfg) != NF_SUCCESS) {
+            initErr = true;
+            return;
+        }
+        // The agent's own settings first, so that an explicit backend parameter of the same
+        // key (customParams below) overrides them. pthrDelay 0 (what Python always sends)
+        // means "the default", so it leaves the configured value alone.
+        if (nf_config_set(cfg, "progress_thread", init->enableProgTh ? "true" : "false") != NF_SUCCESS)
+            initErr = true;
+        if (!initErr && init->pthrDelay != 0 &&
+            nf_config_set(cfg, "progress_delay_us", std::to_string(init->pthrDelay).c_str()) != NF_SUCCESS)
+            initErr = true;
+        if (!initErr && init->customParams) {
+            for (const auto &[key, value] : *init->customParams) {
+                const nf_status s = nf_config_set(cfg, key.c_str(), value.c_str());
+                if (s == NF_SUCCESS || s == NF_ERR_NOT_FOUND) // unknown keys: ignored (Rust logs them)
+                    continue;
+                initErr = true; // a malformed value (logged by Rust)
+                break;
+            }
+        }
+        if (!initErr && nf_engine_create(init->localAgent.c_str(), cfg, &engine_) != NF_SUCCESS) {
+            engine_ = nullptr;
+            initErr = true;
+        }
+    } catch (...) {
+        initErr = true;
+    }
+    nf_config_free(cfg);
+}
+
+FabricEngine::~FabricEngine() {
+    if (engine_)
+        nf_engine_destroy(engine_);
+}
+
+// ---- capabilities ------------------------------------------------------------------------
+
+nixl_mem_list_t FabricEngine::getSupportedMems() const noexcept {
+    try {
+        nixl_mem_list_t mems;
+        const uint32_t mask = nf_engine_supported_mems(engine_);
+        for (int t = DRAM_SEG; t <= FILE_SEG; ++t)
+            if (mask & (1u << t))
+                mems.push_back(static_cast<nixl_mem_t>(t));
+        return mems;
+    } catch (...) {
+        return {};
+    }
+}
+
+// ---- memory ------------------------------------------------------------------------------
+
+nixl_status_t FabricEngine::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem,
+                                        nixlBackendMD *&out) noexcept {
+    return guarded([&] {
+        auto md = std::make_unique<LocalMD>();
+        const nf_status s = nf_mem_register(engine_, mem.addr, mem.len, static_cast<uint32_t>(nixl_mem),
+                                            mem.devId, &md->mem);
+        if (s != NF_SUCCESS)
+            return to_nixl(s);
+        out = md.release();
+        return NIXL_SUCCESS;
+    });
+}
+
+nixl_status_t FabricEngine::deregisterMem(nixlBackendMD *meta) noexcept {
+    return guarded([&] {
+        const LocalMD *md = as_local(meta);
+        if (!md)
+            return NIXL_ERR_INVALID_PARAM;
+        const nf_status s = nf_mem_deregister(engine_, md->mem);
+        delete md; // the agent forgets the MD whatever the result
+        return to_nixl(s);
+    });
+}
+
+nixl_status_t FabricEngine::getPublicData(const nixlBackendMD *meta, std::string &str) const noexcept {
+    return guarded([&] {
+        const LocalMD *md = as_local(meta);
+        if (!md)
+            return NIXL_ERR_INVALID_PARAM;
+        Blob blob;
+        const nf_status s = nf_mem_public_data(engine_, md->mem, &blob.b);
+        if (s != NF_SUCCESS)
+            return to_nixl(s);
+        blob.copy_to(str);
+        return NIXL_SUCCESS;
+    });
+}
+
+nixl_status_t FabricEngine::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &mem,
+                                         const std::string &remote_agent,
+                                         nixlBackendMD *&output) noexcept {
+    return guarded([&] {
+        auto md = std::make_unique<TargetMD>();
+        nf_status s = nf_rmem_load(engine_, remote_agent.c_str(), bytes(input.metaInfo),
+                                   input.metaInfo.size(), &md->rmem);
+        if (s != NF_SUCCESS)
+            return to_nixl(s);
+        // The agent's view of the region must match what the descriptor describes.
+        s = nf_rmem_check(md->rmem, input.addr, input.len, static_cast<uint32_t>(mem));
+        if (s != NF_SUCCESS) {
+            nf_rmem_unload(engine_, md->rmem);
+            md->rmem = nullptr;
+            return to_nixl(s);
+        }
+        output = md.release();
+        return NIXL_SUCCESS;
+    });
+}
+
+nixl_status_t FabricEngine::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) noexcept {
+    return guarded([&] {
+        const LocalMD *local = as_local(input);
+        if (!local)
+            return NIXL_ERR_INVALID_PARAM;
+        auto md = std::make_unique<TargetMD>();
+        const nf_status s = nf_rmem_self(engine_, local->mem, &md->rmem);
+        if (s != NF_SUCCESS)
+            return to_nixl(s);
+        output = md.release(); // distinct from input: unloadMD may come after deregisterMem
+        return NIXL_SUCCESS;
+    });
+}
+
+nixl_status_t FabricEngine::unloadMD(nixlBackendMD *input) noexcept {
+    return guarded([&] {
+        // Self and peer MDs are both TargetMDs; a local MD is never ours to unload (ours
+        // are always distinct from it), so it is refused rather than freed twice.
+        const TargetMD *md = as_target(input);
+        if (!md)
+            return NIXL_ERR_INVALID_PARAM;
+        const nf_status s = nf_rmem_unload(engine_, md->rmem);
+        delete md;
+        return to_nixl(s);
+    });
+}
+
+// ---- connections -------------------------------------------------------------------------
+
+nixl_status_t FabricEngine::getConnInfo(std::string &str) const noexcept {
+    return guarded([&] {
+        Blob blob;
+        const nf_status s = nf_engine_conn_info(engine_, &blob.b);
+        if (s != NF_SUCCESS)
+            return to_nixl(s);
+        blob.copy_to(str);
+        return NIXL_SUCCESS;
+    });
+}
+
+nixl_status_t FabricEngine::loadRemoteConnInfo(const std::string &remote_agent,
+                                               const std::string &remote_conn_info) noexcept {
+    return guarded([&] {
+        return to_nixl(nf_engine_load_conn_info(engine_, remote_agent.c_str(), bytes(remote_conn_info),
+                                                remote_conn_info.size()));
+    });
+}
+
+nixl_status_t FabricEngine::connect(const std::string &remote_agent) noexcept {
+    return guarded([&] { return to_nixl(nf_engine_connect(engine_, remote_agent.c_str())); });
+}
+
+nixl_status_t FabricEngine::disconnect(const std::string &remote_agent) noexcept {
+    return guarded([&] { return to_nixl(nf_engine_disconnect(engine_, remote_agent.c_str())); });
+}
+
+// ---- transfers ---------------------------------------------------------------------------
+
+nixl_status_t FabricEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                                     const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                                     nixlBackendReqH *&handle,
+                                     const nixlBackendOptionalArgs *) const noexcept {
+    return guarded([&] {
+        const size_t n = local.descCount();
+        if (remote.descCount() != n)
+            return NIXL_ERR_INVALID_PARAM;
+        // Local descriptors name their nf_mem, remote ones their nf_rmem (peer or self MD);
+        // a missing or wrong-kind MD becomes NULL, which nf_request_create refuses.
+        std::vector<nf_xfer_desc> l(n), r(n);
+        for (size_t i = 0; i < n; ++i) {
+            const nixlMetaDesc &a = local[i];
+            const nixlMetaDesc &b = remote[i];
+            const LocalMD *lm = as_local(a.metadataP);
+            const TargetMD *rm = as_target(b.metadataP);
+            l[i] = nf_xfer_desc{a.addr, a.len, lm ? static_cast<const void *>(lm->mem) : nullptr};
+            r[i] = nf_xfer_desc{b.addr, b.len, rm ? static_cast<const void *>(rm->rmem) : nullptr};
+        }
+        auto h = std::make_unique<FabricReqH>();
+        const nf_status s = nf_request_create(engine_, static_cast<uint32_t>(operation), l.data(), r.data(),
+                                              n, remote_agent.c_str(), &h->req);
+        if (s != NF_SUCCESS)
+            return to_nixl(s);
+        handle = h.release();
+        return NIXL_SUCCESS;
+    });
+}
+
+nixl_status_t FabricEngine::postXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                                     const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                                     nixlBackendReqH *&handle,
+                                     const nixlBackendOptionalArgs *opt_args) const noexcept {
+    return guarded([&] {
+        if (!handle) { // the agent always preps first; tolerate a direct post anyway
+            const nixl_status_t s = prepXfer(operation, local, remote, remote_agent, handle, opt_args);
+            if (s != NIXL_SUCCESS)
+                return s;
+        }
+        FabricReqH *h = as_req(handle);
+        if (!h)
+            return NIXL_ERR_INVALID_PARAM;
+        const bool has_notif = opt_args && opt_args->hasNotif;
+        const uint8_t *msg = has_notif ? bytes(opt_args->notifMsg) : nullptr;
+        const size_t msg_len = has_notif ? opt_args->notifMsg.size() : 0;
+        return to_nixl(nf_request_post(engine_, h->req, msg, msg_len, has_notif));
+    });
+}
+
+nixl_status_t FabricEngine::checkXfer(nixlBackendReqH *handle) const noexcept {
+    return guarded([&] {
+        FabricReqH *h = as_req(handle);
+        if (!h)
+            return NIXL_ERR_INVALID_PARAM;
+        return to_nixl(nf_request_check(engine_, h->req));
+    });
+}
+
+nixl_status_t FabricEngine::releaseReqH(nixlBackendReqH *handle) const noexcept {
+    return guarded([&] {
+        if (!handle)
+            return NIXL_SUCCESS;
+        FabricReqH *h = as_req(handle);
+        if (!h)
+            return NIXL_ERR_INVALID_PARAM;
+        // Negative (NF_ERR_REPOST_ACTIVE: could not drain in time): the C handle is kept,
+        // and so is our wrapper; the agent keeps its request and calls again later, and
+        // nf_request_release frees on that second call (ABI doc §6.4, src/capi/mod.rs).
+        const nf_status s = nf_request_release(engine_, h->req);
+        if (static_cast<int>(s) >= 0)
+            delete h;
+        return to_nixl(s);
+    });
+}
+
+nixl_status_t FabricEngine::estimateXferCost(const nixl_xfer_op_t &, const nixl_meta_dlist_t &,
+                                             const nixl_meta_dlist_t &, const std::string &,
+                                             nixlBackendReqH *const &, std::chrono::microseconds &,
+                                             std::chrono::microseconds &, nixl_cost_t &,
+                                             const nixlAgentOptionalArgs *) const noexcept {
+    return NIXL_ERR_NOT_SUPPORTED;
+}
+
+// ---- memory views and queries: not offered ----------------------------------------------
+
+nixl_status_t FabricEngine::prepMemView(const nixl_remote_meta_dlist_t &, nixlMemViewH &,
+                                        const nixlBackendOptionalArgs *) const noexcept {
+    return NIXL_ERR_NOT_SUPPORTED;
+}
+
+nixl_status_t FabricEngine::prepMemView(const nixl_meta_dlist_t &, nixlMemViewH &,
+                                        const nixlBackendOptionalArgs *) const noexcept {
+    return NIXL_ERR_NOT_SUPPORTED;
+}
+
+nixl_status_t FabricEngine::queryMem(const nixl_reg_dlist_t &, std::vector<nixl_query_resp_t> &) const noexcept {
+    return NIXL_ERR_NOT_SUPPORTED;
+}
+
+// ---- notifications -----------------------------------------------------------------------
+
+nixl_status_t FabricEngine::getNotifs(notif_list_t &notif_list) noexcept {
+    return guarded([&] {
+        NotifSink sink{&notif_list};
+        const nf_status s = nf_engine_get_notifs(engine_, &on_notif, &sink);
+        if (s != NF_SUCCESS)
+            return to_nixl(s);
+        return sink.failed ? NIXL_ERR_BACKEND : NIXL_SUCCESS;
+    });
+}
+
+nixl_status_t FabricEngine::genNotif(const std::string &remote_agent, const std::string &msg) const noexcept {
+    return guarded([&] {
+        return to_nixl(nf_engine_send_notif(engine_, remote_agent.c_str(), bytes(msg), msg.size()));
+    });
+}
+
+} // namespace nf::adapter
