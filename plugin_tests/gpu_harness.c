@@ -43,6 +43,12 @@ static struct {
 } cu;
 
 static CUcontext g_primary;
+
+/* The provider under test: GPU_HARNESS_PROVIDER (tcp by default; shm for the FI_HMEM run). */
+static const char *gpu_prov(void) {
+    const char *p = getenv("GPU_HARNESS_PROVIDER");
+    return p && *p ? p : "tcp";
+}
 static CUdevice g_dev;
 
 #define CU(call)                                                                         \
@@ -225,7 +231,7 @@ static void one(nf_engine *a, nf_engine *b, bool thread, int op, bool lvram, boo
 }
 
 static void pair(nf_engine **a, nf_engine **b, bool thread) {
-    hx_mode m = {"tcp", thread};
+    hx_mode m = {gpu_prov(), thread};
     int s1 = 0, s2 = 0;
     *a = hx_engine("a", &m, 20000, &s1);
     *b = hx_engine("b", &m, 20000, &s2);
@@ -324,7 +330,7 @@ static void suite_two_contexts(void) {
 /* Cost of one progress pass with a captured context to re-apply, against none. */
 static void suite_reapply_cost(void) {
     snprintf(g_ctx, sizeof g_ctx, "gpu/reapply");
-    hx_mode m = {"tcp", false};
+    hx_mode m = {gpu_prov(), false};
     int s = 0;
     nf_engine *e = hx_engine("cost", &m, 0, &s);
     if (!check(e != NULL, "engine without progress thread"))
@@ -356,7 +362,7 @@ static void suite_reapply_cost(void) {
  * answers "check SEED" messages by verifying its VRAM, until "quit". */
 static int target_process(int fd) {
     g_quiet = true;
-    hx_mode m = {"tcp", true};
+    hx_mode m = {gpu_prov(), true};
     int s = 0;
     nf_engine *e = hx_engine("t", &m, 20000, &s);
     if (!e || !cu_setup())
@@ -410,7 +416,7 @@ static void suite_two_processes(bool skip_reapply, bool local_vram) {
     int pid = spawn_self(argv, sv[1]);
     unsetenv("NIXL_FABRIC_DEBUG_SKIP_CTX_APPLY");
     close(sv[1]);
-    hx_mode m = {"tcp", true};
+    hx_mode m = {gpu_prov(), true};
     int s = 0;
     nf_engine *e = hx_engine("p", &m, 20000, &s);
     size_t n1 = 0, n2 = 0, n3 = 0;

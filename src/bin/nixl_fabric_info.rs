@@ -47,7 +47,7 @@ fn main() -> ExitCode {
         println!("  {:<16} {:<10} {:<22} {:>4} {:>6} {:>8}", p.prov_name, p.domain, p.fabric, yn(p.rma), yn(p.hmem), p.cq_data_size);
     }
     println!("\nrails for provider={} iface='{}' rails={}:", cfg.provider, cfg.iface, cfg.rails);
-    match nixl_fabric::fabric::discover(&cfg) {
+    match nixl_fabric::fabric::discover(&cfg, nixl_fabric::cuda::available()) {
         Ok(specs) => {
             for s in &specs {
                 println!("  {} domain {} fabric {}{}", s.prov_name, s.domain_name, s.fabric_name,

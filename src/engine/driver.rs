@@ -625,6 +625,14 @@ impl Driver {
                     }
                     Some(e) => {
                         add(&self.core.counters.ops_failed, 1);
+                        // A provider flushes operations it can no longer complete (the
+                        // connection died) as canceled; only the owner cancels on purpose.
+                        let e = match e {
+                            Error::Completion { errno, .. } if errno == libc::ECANCELED && !st.cancelled => {
+                                Error::Disconnected(format!("{e} (flushed by the provider: connection lost)"))
+                            }
+                            e => e,
+                        };
                         st.error.get_or_insert(e);
                         st.next = req.segs.len();
                     }

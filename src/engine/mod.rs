@@ -103,7 +103,8 @@ impl Engine {
         if name.is_empty() || name.len() > wire::MAX_NAME_LEN {
             return Err(Error::InvalidParam(format!("agent name must be 1..={} bytes", wire::MAX_NAME_LEN)));
         }
-        let specs = fabric::discover(&cfg)?;
+        // Ask for FI_HMEM only where a CUDA driver exists (it is what lets VRAM go zero-copy).
+        let specs = fabric::discover(&cfg, crate::cuda::available())?;
         let count = match cfg.rails {
             0 if is_single_rail_provider(&specs[0].prov_name) => 1,
             0 => specs.len(),

@@ -74,7 +74,7 @@ impl Drop for InfoList {
 
 /// Hints asking for an RDM endpoint with RMA and messages, and the mr_mode bits we can
 /// honour, so the provider picks its own preferred mode among them.
-fn getinfo(prov: &str, delivery_complete: bool) -> Result<InfoList> {
+fn getinfo(prov: &str, delivery_complete: bool, hmem: bool) -> Result<InfoList> {
     // SAFETY: fi_allocinfo returns a zeroed info with allocated sub-attributes (or NULL).
     let hints = unsafe { sys::nf_fi_allocinfo() };
     if hints.is_null() {
@@ -93,6 +93,10 @@ fn getinfo(prov: &str, delivery_complete: bool) -> Result<InfoList> {
         let d = &mut *h.domain_attr;
         d.mr_mode = (sys::FI_MR_LOCAL | sys::FI_MR_VIRT_ADDR | sys::FI_MR_ALLOCATED
             | sys::FI_MR_PROV_KEY) as i32;
+        if hmem {
+            h.caps |= sys::FI_HMEM;
+            d.mr_mode |= sys::FI_MR_HMEM as i32;
+        }
         d.threading = sys::fi_threading_FI_THREAD_DOMAIN;
         d.av_type = sys::fi_av_type_FI_AV_TABLE;
         if delivery_complete {
@@ -125,13 +129,21 @@ fn describe(p: *mut sys::fi_info) -> (String, String, String, u32) {
 
 /// Chooses the rails for a configuration: the first provider (in preference order) with
 /// any matching domain wins; one entry per domain, IPv4 preferred.
-pub fn discover(cfg: &Config) -> Result<Vec<RailSpec>> {
+/// `want_hmem` (the caller found a CUDA driver) asks for FI_HMEM first, so providers that
+/// can register device memory are picked in that mode; without it, or where the provider
+/// cannot, rails are plain and device memory is staged.
+pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
     let wanted: Vec<String> =
         cfg.iface.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     let mut last_err = None;
     for prov in provider_candidates(&cfg.provider) {
-        for dc in [true, false] {
-            let list = match getinfo(prov, dc) {
+        let modes: &[(bool, bool)] = if want_hmem {
+            &[(true, true), (true, false), (false, true), (false, false)]
+        } else {
+            &[(false, true), (false, false)]
+        };
+        for &(hmem, dc) in modes {
+            let list = match getinfo(prov, dc, hmem) {
                 Ok(l) => l,
                 Err(e) => {
                     last_err = Some(e);
@@ -199,7 +211,7 @@ pub struct ProviderSummary {
 pub fn provider_list() -> Vec<ProviderSummary> {
     let mut v = Vec::new();
     for prov in ["efa", "verbs;ofi_rxm", "tcp;ofi_rxm", "sockets", "shm", "udp;ofi_rxd"] {
-        let Ok(list) = getinfo(prov, false) else { continue };
+        let Ok(list) = getinfo(prov, false, false) else { continue };
         let mut p = list.0;
         while !p.is_null() {
             let (pn, dn, fname, _) = describe(p);

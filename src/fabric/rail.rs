@@ -162,24 +162,11 @@ impl Rail {
     /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
     /// provider does not choose keys. `hmem` is (FI_HMEM iface, device) for device memory.
     pub fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<MemoryRegion> {
-        let iov = libc::iovec { iov_base: addr as *mut c_void, iov_len: len };
-        let mut attr = sys::fi_mr_attr {
-            mr_iov: &iov as *const libc::iovec as *const sys::iovec,
-            iov_count: 1,
-            access: (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE
-                | sys::FI_SEND | sys::FI_RECV) as u64,
-            requested_key: key,
-            ..Default::default()
-        };
-        let mut flags = 0u64;
-        if let Some((iface, dev)) = hmem {
-            attr.iface = iface;
-            attr.device.cuda = dev;
-            flags |= sys::FI_HMEM_DEVICE_ONLY as u64;
-        }
+        let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
+        let (iface, dev) = hmem.map_or((0, 0), |(i, d)| (i as i32, d));
         let mut raw = std::ptr::null_mut();
-        // SAFETY: domain is live; attr points at a valid iovec for the call's duration.
-        let ret = unsafe { sys::nf_fi_mr_regattr(self.domain.raw, &attr, flags, &mut raw) };
+        // SAFETY: domain is live; the shim builds the attribute struct for this call only.
+        let ret = unsafe { sys::nf_fi_mr_reg_buf(self.domain.raw, addr as *mut c_void, len, access, key, iface, dev, &mut raw) };
         if ret != 0 {
             return Err(fab_err("fi_mr_regattr", Some(self.index), ret as i64));
         }

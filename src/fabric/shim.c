@@ -1,5 +1,6 @@
 /* See shim.h: one out-of-line wrapper per static-inline libfabric call we use. */
 #include "shim.h"
+#include <string.h>
 
 struct fi_info *nf_fi_allocinfo(void) { return fi_allocinfo(); }
 int nf_fi_close(struct fid *fid) { return fi_close(fid); }
@@ -20,8 +21,21 @@ int nf_fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t
 { return fi_av_insert(av, addr, count, fi_addr, flags, NULL); }
 int nf_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count)
 { return fi_av_remove(av, fi_addr, count, 0); }
-int nf_fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr, uint64_t flags, struct fid_mr **mr)
-{ return fi_mr_regattr(domain, attr, flags, mr); }
+int nf_fi_mr_reg_buf(struct fid_domain *domain, void *buf, size_t len, uint64_t access, uint64_t key,
+                     int iface, int device, struct fid_mr **mr)
+{
+	struct iovec iov = { .iov_base = buf, .iov_len = len };
+	struct fi_mr_attr attr;
+	memset(&attr, 0, sizeof attr);
+	attr.mr_iov = &iov;
+	attr.iov_count = 1;
+	attr.access = access;
+	attr.requested_key = key;
+	attr.iface = (enum fi_hmem_iface)iface;
+	if (iface == FI_HMEM_CUDA)
+		attr.device.cuda = device;
+	return fi_mr_regattr(domain, &attr, 0, mr);
+}
 void *nf_fi_mr_desc(struct fid_mr *mr) { return fi_mr_desc(mr); }
 uint64_t nf_fi_mr_key(struct fid_mr *mr) { return fi_mr_key(mr); }
 ssize_t nf_fi_cq_read(struct fid_cq *cq, void *buf, size_t count) { return fi_cq_read(cq, buf, count); }

@@ -23,7 +23,11 @@ int nf_fi_enable(struct fid_ep *ep);
 int nf_fi_getname(struct fid_ep *ep, void *addr, size_t *addrlen);
 int nf_fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags);
 int nf_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count);
-int nf_fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr, uint64_t flags, struct fid_mr **mr);
+/* fi_mr_regattr of one contiguous buffer, optionally device memory (iface != FI_HMEM_SYSTEM).
+ * Built in C because fi_mr_attr's layout differs between 1.x and 2.x (mr_iov moved into an
+ * anonymous union), which C names the same way in both. */
+int nf_fi_mr_reg_buf(struct fid_domain *domain, void *buf, size_t len, uint64_t access, uint64_t key,
+                     int iface, int device, struct fid_mr **mr);
 void *nf_fi_mr_desc(struct fid_mr *mr);
 uint64_t nf_fi_mr_key(struct fid_mr *mr);
 ssize_t nf_fi_cq_read(struct fid_cq *cq, void *buf, size_t count);

@@ -45,15 +45,20 @@ for k, r in ours.items():
 PY
 if [ -f "$B/libfabric2-cuda.tar.xz" ]; then
   section "zero-copy path: CUDA-enabled libfabric 2.x"
-  mkdir -p /tmp/lf2 && tar xJf "$B/libfabric2-cuda.tar.xz" -C /tmp/lf2
-  LF=$(dirname "$(find /tmp/lf2 -name 'libfabric.so.1' | head -1)")
-  FI=$(find /tmp/lf2 -name fi_info -type f | head -1)
-  LD_LIBRARY_PATH=$LF "$FI" --version | head -2
-  echo "tcp with FI_HMEM:"; LD_LIBRARY_PATH=$LF "$FI" -p tcp -c FI_HMEM -t FI_EP_RDM 2>&1 | head -6
-  echo "shm with FI_HMEM:"; LD_LIBRARY_PATH=$LF "$FI" -p shm -c FI_HMEM 2>&1 | head -4
-  LD_LIBRARY_PATH=$LF:$B/bin NIXL_FABRIC_LOG=info GPU_HARNESS_NO_BW= timeout 400 "$B/bin/gpu_harness" > "$B/gpu_harness_lf2.log" 2>&1 || rc=1
-  grep -m3 "hmem=" "$B/gpu_harness_lf2.log"
-  grep -E "^(FAIL|bw|reapply)|passed" "$B/gpu_harness_lf2.log" | head -80
+  rm -rf /tmp/lf2 && mkdir -p /tmp/lf2 && tar xJf "$B/libfabric2-cuda.tar.xz" -C /tmp/lf2
+  D=$(dirname "$(dirname "$(find /tmp/lf2 -name 'libfabric.so.1' | head -1)")")
+  LF="$D/lib:$D/cudart"
+  LD_LIBRARY_PATH=$LF "$D/bin/fi_info" --version | head -2
+  for p in tcp shm; do
+    echo "-- $p with FI_HMEM:"; LD_LIBRARY_PATH=$LF "$D/bin/fi_info" -p $p -c FI_HMEM -t FI_EP_RDM 2>&1 | grep -E "provider|fabric|domain|No data" | head -3
+  done
+  for p in tcp shm; do
+    echo "-- GPU harness over $p with libfabric 2.x (hmem= shows whether VRAM went zero-copy)"
+    LD_LIBRARY_PATH=$LF:$B/bin NIXL_FABRIC_LOG=debug GPU_HARNESS_PROVIDER=$p timeout 300 "$B/bin/gpu_harness" > "$B/gpu_harness_lf2_$p.log" 2>&1 || rc=1
+    grep -m2 "hmem=" "$B/gpu_harness_lf2_$p.log"
+    grep -m3 -E "FI_HMEM\)|staged\)" "$B/gpu_harness_lf2_$p.log"
+    grep -E "^(FAIL|bw|reapply)|passed" "$B/gpu_harness_lf2_$p.log" | head -40
+  done
 fi
 section "result: rc=$rc"
 exit $rc

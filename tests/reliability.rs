@@ -1,0 +1,256 @@
+//! Reliability on real providers and real processes: a peer killed mid-stream, teardown
+//! with work in flight, and many threads posting at once. Every wait is bounded.
+use nixl_fabric::config::Config;
+use nixl_fabric::engine::{Engine, LocalMem, MemKind, Op, Pair, RemoteMem, Request};
+use nixl_fabric::error::Status;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn cfg(thread: bool, timeout_ms: u64) -> Config {
+    let mut c = Config::defaults();
+    c.set("provider", "tcp").unwrap();
+    c.set("iface", "lo").unwrap();
+    c.progress_thread = thread;
+    c.timeout_ms = timeout_ms;
+    c
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap()).collect()
+}
+
+/// The target process: registers a region, prints its conn info, descriptor and address,
+/// then serves until killed (or stdin closes).
+#[test]
+fn child_target() {
+    let Ok(size) = std::env::var("NF_CHILD_TARGET") else { return };
+    let size: usize = size.parse().unwrap();
+    let e = Engine::new("victim", cfg(true, 5000)).unwrap();
+    let buf = vec![0u8; size];
+    let m = e.register(buf.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
+    let out = format!("READY {} {} {}\n", hex(e.conn_info()), hex(&e.public_data(&m).unwrap()), buf.as_ptr() as u64);
+    std::io::stdout().write_all(out.as_bytes()).unwrap();
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+    drop(m);
+}
+
+struct Victim {
+    child: Child,
+    conn: Vec<u8>,
+    desc: Vec<u8>,
+    addr: u64,
+}
+
+fn spawn_victim(size: usize) -> Victim {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_target", "--nocapture", "--test-threads=1"])
+        .env("NF_CHILD_TARGET", size.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut r = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0, "victim exited early");
+        // libtest prints "test child_target ... " before the test's own output.
+        if let Some(rest) = line.split_once("READY ").map(|(_, r)| r) {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            return Victim { child, conn: unhex(f[0]), desc: unhex(f[1]), addr: f[2].parse().unwrap() };
+        }
+        assert!(Instant::now() < deadline);
+    }
+}
+
+fn wait(e: &Engine, r: &Request, limit: Duration) -> (Status, Duration) {
+    let t0 = Instant::now();
+    loop {
+        let s = e.check(r);
+        if s != Status::NF_IN_PROG || t0.elapsed() > limit {
+            return (s, t0.elapsed());
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+fn write_req(e: &Engine, peer: &str, src: &[u8], lm: &Arc<LocalMem>, raddr: u64, rm: &Arc<RemoteMem>, len: usize, off: usize) -> Arc<Request> {
+    let pairs = [Pair { local: (src.as_ptr() as u64 + off as u64, len as u64, lm), remote: (raddr + off as u64, len as u64, rm) }];
+    e.prepare(Op::Write, &pairs, peer).unwrap()
+}
+
+#[test]
+fn dead_peer_fails_in_flight_and_later_requests_then_a_restart_works() {
+    const SIZE: usize = 256 << 20;
+    const PIECE: usize = 32 << 20;
+    let timeout_ms = 2000;
+    let e = Engine::new("survivor", cfg(true, timeout_ms)).unwrap();
+    let src = vec![5u8; SIZE];
+    let lm = e.register(src.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+    // A second, healthy peer in this process.
+    let other = Engine::new("bystander", cfg(true, timeout_ms)).unwrap();
+    let obuf = vec![0u8; 1 << 20];
+    let om = other.register(obuf.as_ptr() as u64, obuf.len() as u64, MemKind::Dram, 0).unwrap();
+    e.load_conn_info("bystander", other.conn_info()).unwrap();
+    let orm = e.load_remote("bystander", &other.public_data(&om).unwrap()).unwrap();
+
+    let mut v = spawn_victim(SIZE);
+    e.load_conn_info("victim", &v.conn).unwrap();
+    let rm = e.load_remote("victim", &v.desc).unwrap();
+    let reqs: Vec<_> = (0..SIZE / PIECE).map(|i| write_req(&e, "victim", &src, &lm, v.addr, &rm, PIECE, i * PIECE)).collect();
+    // Warm up the connection, then put everything in flight and kill the peer.
+    assert_eq!(e.post(&reqs[0], None).unwrap(), Status::NF_IN_PROG);
+    assert_eq!(wait(&e, &reqs[0], Duration::from_secs(20)).0, Status::NF_SUCCESS);
+    for r in &reqs {
+        let s = e.post(r, None).unwrap();
+        assert!(s == Status::NF_IN_PROG || s == Status::NF_SUCCESS);
+    }
+    v.child.kill().unwrap();
+    let _ = v.child.wait();
+    let killed = Instant::now();
+    let limit = Duration::from_millis(timeout_ms) + Duration::from_secs(3);
+    for r in &reqs {
+        let (s, _) = wait(&e, r, limit);
+        assert!(s == Status::NF_SUCCESS || s == Status::NF_ERR_REMOTE_DISCONNECT, "in-flight request ended with {}", s.name());
+    }
+    assert!(killed.elapsed() <= limit, "in-flight requests took {:?} to fail", killed.elapsed());
+    // A request posted after the death fails too, within the timeout.
+    let late = write_req(&e, "victim", &src, &lm, v.addr, &rm, 1 << 20, 0);
+    let t0 = Instant::now();
+    let s = e.post(&late, None).unwrap();
+    let s = if s == Status::NF_IN_PROG { wait(&e, &late, limit).0 } else { s };
+    assert_eq!(s, Status::NF_ERR_REMOTE_DISCONNECT, "late request after the kill");
+    assert!(t0.elapsed() <= limit, "late request took {:?}", t0.elapsed());
+    // The engine keeps serving the healthy peer.
+    let ok = write_req(&e, "bystander", &src, &lm, obuf.as_ptr() as u64, &orm, 1 << 20, 0);
+    assert_eq!(e.post(&ok, None).unwrap(), Status::NF_IN_PROG);
+    assert_eq!(wait(&e, &ok, Duration::from_secs(10)).0, Status::NF_SUCCESS);
+    assert!(obuf.iter().all(|&b| b == 5));
+    for r in reqs {
+        assert!(e.release(&r));
+    }
+    drop((late, rm));
+    // A restarted peer under the same name is loaded again and used.
+    let mut v2 = spawn_victim(SIZE);
+    e.load_conn_info("victim", &v2.conn).unwrap();
+    let rm2 = e.load_remote("victim", &v2.desc).unwrap();
+    let again = write_req(&e, "victim", &src, &lm, v2.addr, &rm2, PIECE, 0);
+    assert_eq!(e.post(&again, None).unwrap(), Status::NF_IN_PROG);
+    assert_eq!(wait(&e, &again, Duration::from_secs(20)).0, Status::NF_SUCCESS, "restarted peer");
+    drop(v2.child.stdin.take());
+    let _ = v2.child.wait();
+}
+
+fn teardown_under_load(threads: usize) {
+    const N: usize = 64;
+    const LEN: usize = 1 << 20;
+    for iter in 0..10 {
+        let a = Engine::new("a", cfg(true, 3000)).unwrap();
+        let b = Engine::new("b", cfg(true, 3000)).unwrap();
+        a.load_conn_info("b", b.conn_info()).unwrap();
+        let src = vec![iter as u8; N * LEN];
+        let dst = vec![0u8; N * LEN];
+        let lm = a.register(src.as_ptr() as u64, src.len() as u64, MemKind::Dram, 0).unwrap();
+        let dm = b.register(dst.as_ptr() as u64, dst.len() as u64, MemKind::Dram, 0).unwrap();
+        let rm = a.load_remote("b", &b.public_data(&dm).unwrap()).unwrap();
+        let reqs: Vec<_> = (0..N).map(|i| write_req(&a, "b", &src, &lm, dst.as_ptr() as u64, &rm, LEN, i * LEN)).collect();
+        std::thread::scope(|s| {
+            for chunk in reqs.chunks(N / threads) {
+                let a = &a;
+                s.spawn(move || {
+                    for r in chunk {
+                        a.post(r, None).unwrap();
+                    }
+                    for r in chunk {
+                        a.release(r);
+                    }
+                });
+            }
+        });
+        drop(reqs);
+        drop((rm, lm, dm));
+        let t0 = Instant::now();
+        a.shutdown();
+        b.shutdown();
+        assert!(t0.elapsed() < Duration::from_secs(5), "teardown took {:?}", t0.elapsed());
+    }
+}
+
+#[test]
+fn teardown_with_64_requests_in_flight_one_thread() {
+    teardown_under_load(1);
+}
+
+#[test]
+fn teardown_with_64_requests_in_flight_four_threads() {
+    teardown_under_load(4);
+}
+
+fn many_threads(thread: bool) {
+    const THREADS: usize = 8;
+    const PER: usize = 10_000;
+    const LEN: usize = 4096;
+    let e = Engine::new("hub", cfg(thread, 10_000)).unwrap();
+    let peers: Vec<_> = (0..2).map(|i| Engine::new(&format!("p{i}"), cfg(thread, 10_000)).unwrap()).collect();
+    let dsts: Vec<Vec<u8>> = (0..2).map(|_| vec![0u8; THREADS * LEN]).collect();
+    let mut rms = Vec::new();
+    let mut keep = Vec::new();
+    for (i, p) in peers.iter().enumerate() {
+        e.load_conn_info(&format!("p{i}"), p.conn_info()).unwrap();
+        let m = p.register(dsts[i].as_ptr() as u64, dsts[i].len() as u64, MemKind::Dram, 0).unwrap();
+        rms.push(e.load_remote(&format!("p{i}"), &p.public_data(&m).unwrap()).unwrap());
+        keep.push(m);
+    }
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (e, rms, dsts, peers) = (&e, &rms, &dsts, &peers);
+            s.spawn(move || {
+                let mut src = vec![0u8; LEN];
+                let lm = e.register(src.as_ptr() as u64, LEN as u64, MemKind::Dram, 0).unwrap();
+                let reqs: Vec<_> = (0..2).map(|p| {
+                    let pairs = [Pair { local: (src.as_ptr() as u64, LEN as u64, &lm), remote: (dsts[p].as_ptr() as u64 + (t * LEN) as u64, LEN as u64, &rms[p]) }];
+                    e.prepare(Op::Write, &pairs, &format!("p{p}")).unwrap()
+                }).collect();
+                for i in 0..PER {
+                    let p = i % 2;
+                    let tag = (i as u32).wrapping_mul(2654435761) ^ t as u32;
+                    src[..4].copy_from_slice(&tag.to_le_bytes());
+                    src[LEN - 4..].copy_from_slice(&tag.to_le_bytes());
+                    let mut st = e.post(&reqs[p], None).unwrap();
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    while st == Status::NF_IN_PROG {
+                        if !thread {
+                            peers[p].progress();
+                        }
+                        st = e.check(&reqs[p]);
+                        assert!(Instant::now() < deadline, "request stuck");
+                    }
+                    assert_eq!(st, Status::NF_SUCCESS);
+                    let d = &dsts[p][t * LEN..(t + 1) * LEN];
+                    assert_eq!(&d[..4], &tag.to_le_bytes(), "thread {t} request {i}: head");
+                    assert_eq!(&d[LEN - 4..], &tag.to_le_bytes(), "thread {t} request {i}: tail");
+                }
+            });
+        }
+    });
+    assert_eq!(e.counters().requests_completed, (THREADS * PER) as u64);
+}
+
+#[test]
+fn eight_threads_two_peers_progress_thread() {
+    many_threads(true);
+}
+
+#[test]
+fn eight_threads_two_peers_no_progress_thread() {
+    many_threads(false);
+}
