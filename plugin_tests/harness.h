@@ -60,6 +60,10 @@ typedef struct {
 nf_engine *hx_engine(const char *name, const hx_mode *mode, uint64_t timeout_ms, int *st);
 bool prov_uses_iface(const char *prov);
 
+/* For tcp/sockets/udp: every rail address in the connection info is on 127.0.0.0/8 (or
+ * ::1); other providers just print theirs. */
+bool check_loopback(const uint8_t *ci, size_t len, const char *prov, const char *who);
+
 /* Loads each engine's connection info into the other (b known to a as bname, and back). */
 bool hx_exchange(nf_engine *a, const char *aname, nf_engine *b, const char *bname);
 

@@ -261,6 +261,74 @@ cfg_fail:
     return hx_engine_env(name, mode, timeout_ms, st);
 }
 
+/* Parses the documented connection-info layout (README, "Wire formats") far enough to see
+ * each rail's endpoint address; for the socket providers every one must be loopback. */
+bool check_loopback(const uint8_t *ci, size_t len, const char *prov, const char *who) {
+    size_t o = 32;
+    uint16_t n;
+    char shown[256] = "";
+    bool ok = true, parsed = len >= o + 2;
+#define RD16(v)                                                                                              \
+    do {                                                                                                     \
+        if (o + 2 > len) {                                                                                   \
+            parsed = false;                                                                                  \
+            goto out;                                                                                        \
+        }                                                                                                    \
+        memcpy(&(v), ci + o, 2);                                                                             \
+        o += 2;                                                                                              \
+    } while (0)
+    if (!parsed)
+        goto out;
+    RD16(n);
+    o += n; /* agent name */
+    uint16_t rails;
+    RD16(rails);
+    for (unsigned r = 0; r < rails; r++) {
+        uint16_t pl, al;
+        RD16(pl);
+        o += pl;
+        RD16(al);
+        if (o + al > len) {
+            parsed = false;
+            goto out;
+        }
+        const uint8_t *a = ci + o;
+        o += al;
+        uint16_t fam = al >= 2 ? (uint16_t)(a[0] | a[1] << 8) : 0;
+        char one[80];
+        if (fam == 2 && al >= 8) { /* AF_INET */
+            snprintf(one, sizeof one, "%u.%u.%u.%u:%u", a[4], a[5], a[6], a[7], (unsigned)(a[2] << 8 | a[3]));
+            ok &= a[4] == 127;
+        } else if (fam == 10 && al >= 24) { /* AF_INET6: ::1 or ::ffff:127.x.x.x */
+            static const uint8_t lo6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+            static const uint8_t v4m[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+            bool lo = memcmp(a + 8, lo6, 16) == 0 || (memcmp(a + 8, v4m, 12) == 0 && a[20] == 127);
+            snprintf(one, sizeof one, "ipv6%s", lo ? " loopback" : " NOT loopback");
+            ok &= lo;
+        } else {
+            size_t k = 0;
+            while (k < al && a[k] >= 0x20 && a[k] < 0x7f)
+                k++;
+            if (k > 0 && (k == al || a[k] == 0))
+                snprintf(one, sizeof one, "name '%.*s'", (int)(k < 60 ? k : 60), (const char *)a);
+            else
+                snprintf(one, sizeof one, "%u-byte address, family %u", al, fam);
+            ok &= !prov_uses_iface(prov);
+        }
+        size_t sl = strlen(shown);
+        snprintf(shown + sl, sizeof shown - sl, "%s%s", r ? ", " : "", one);
+    }
+out:
+#undef RD16
+    if (!parsed)
+        return check(false, "%s: connection info does not follow the documented layout", who);
+    if (!prov_uses_iface(prov)) {
+        info("%s: rail address(es): %s", who, shown);
+        return true;
+    }
+    return check(ok, "%s: every rail listens on loopback (%s)", who, shown);
+}
+
 bool hx_exchange(nf_engine *a, const char *aname, nf_engine *b, const char *bname) {
     nf_blob ba = {0}, bb = {0};
     int s1 = nf_engine_conn_info(a, &ba);

@@ -104,6 +104,9 @@ impl Error {
     pub fn status(&self) -> Status {
         use nf_status::*;
         match self {
+            // Posting to a peer whose address the provider no longer resolves (sockets says
+            // ENOENT) is a disconnected peer, not a local fault.
+            Error::Fabric { op, code, .. } if -code == libc::ENOENT && is_data_op(op) => NF_ERR_REMOTE_DISCONNECT,
             Error::Fabric { code, .. } => errno_status(-code),
             Error::Completion { errno, .. } => errno_status(*errno),
             Error::InvalidParam(_) => NF_ERR_INVALID_PARAM,
@@ -118,6 +121,10 @@ impl Error {
             Error::Backend(_) => NF_ERR_BACKEND,
         }
     }
+}
+
+fn is_data_op(op: &str) -> bool {
+    matches!(op, "fi_writemsg" | "fi_readmsg" | "fi_send")
 }
 
 /// Errno values that mean the peer is gone become REMOTE_DISCONNECT; the rest are backend
@@ -184,5 +191,7 @@ mod tests {
         assert_eq!(e.status(), Status::NF_ERR_REMOTE_DISCONNECT);
         let e = Error::Fabric { op: "fi_av_insert", rail: None, code: -libc::EINVAL, detail: String::new() };
         assert_eq!(e.status(), Status::NF_ERR_INVALID_PARAM);
+        let e = Error::Fabric { op: "fi_writemsg", rail: Some(0), code: -libc::ENOENT, detail: String::new() };
+        assert_eq!(e.status(), Status::NF_ERR_REMOTE_DISCONNECT);
     }
 }

@@ -469,7 +469,9 @@ pub extern "C" fn nf_rmem_load(engine: *mut nf_engine, peer: *const c_char, data
 pub extern "C" fn nf_rmem_check(rmem: *const nf_rmem, addr: u64, len: u64, mem_type: u32) -> nf_status {
     guard("nf_rmem_check", || {
         let r = handle(rmem, RMEM_MAGIC, "rmem")?;
-        r.rmem.matches(addr, len, engine::MemKind::from_raw(mem_type)?)?;
+        let kind = engine::MemKind::from_raw(mem_type)
+            .map_err(|_| Error::Mismatch(format!("memory type {mem_type} cannot match a registration")))?;
+        r.rmem.matches(addr, len, kind)?;
         ok()
     })
 }

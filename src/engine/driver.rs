@@ -533,7 +533,8 @@ impl Driver {
             // SAFETY: the send buffer has ctrl.size >= len bytes (checked when queued).
             unsafe { std::ptr::copy_nonoverlapping(m.bytes.as_ptr(), ptr, len) };
             let dest = m.dest;
-            let ctx = self.ops.alloc(OpKind::Send { buf, req: m.req.clone() });
+            let notif = m.bytes.get(wire::CTRL_TYPE_OFFSET) == Some(&(CtrlType::Notif as u8));
+            let ctx = self.ops.alloc(OpKind::Send { buf, req: m.req.clone(), notif });
             let desc = CtrlBuffers::desc(&self.ctrl.send_mr);
             match self.rails[0].send(ptr, len, desc, dest, ctx) {
                 Ok(Posted::Ok) => {
@@ -641,10 +642,10 @@ impl Driver {
                     self.data_done(&req, &mut st);
                 }
             }
-            OpKind::Send { buf, req } => {
+            OpKind::Send { buf, req, notif } => {
                 self.ctrl.send_free.push(buf);
-                if err.is_none() {
-                    add(&self.core.counters.notifs_sent, req.is_some() as u64);
+                if err.is_none() && notif {
+                    add(&self.core.counters.notifs_sent, 1);
                 }
                 if let Some((req, epoch)) = req {
                     let mut st = req.state();

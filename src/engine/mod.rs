@@ -526,7 +526,15 @@ impl Engine {
         loop {
             {
                 let st = req.state();
-                if st.inflight_total == 0 && !matches!(st.phase, Phase::Data | Phase::Notif) {
+                let finished = !matches!(st.phase, Phase::Data | Phase::Notif);
+                if finished && st.inflight_total == 0 {
+                    return true;
+                }
+                // A dead or forgotten peer will never complete what the provider still
+                // holds, and can no longer write into our memory: nothing to wait for.
+                let peer_gone = req.peer().is_some_and(|p| p.is_disconnected())
+                    || req.status() == Status::NF_ERR_REMOTE_DISCONNECT;
+                if finished && peer_gone {
                     return true;
                 }
             }

@@ -13,7 +13,7 @@ pub enum OpKind {
     Rma { req: Arc<Request>, epoch: u64, rail: u16, len: u64 },
     /// A control message leaving from send buffer `buf`, possibly completing a request's
     /// notification phase.
-    Send { buf: u32, req: Option<(Arc<Request>, u64)> },
+    Send { buf: u32, req: Option<(Arc<Request>, u64)>, notif: bool },
     /// A pre-posted control receive into buffer `buf`.
     Recv { buf: u32 },
     /// An RMA of a staged chunk: ours (`serve` false) or one we serve for a peer.

@@ -276,6 +276,8 @@ pub struct Ctrl<'a> {
 }
 
 pub const CTRL_HEADER: usize = 2 + 1 + 1 + 8 + 2 + 4;
+/// Offset of the type byte in an encoded control message.
+pub const CTRL_TYPE_OFFSET: usize = 3;
 
 pub fn encode_ctrl(kind: CtrlType, sender_id: u64, sender: &str, payload: &[u8]) -> Vec<u8> {
     let mut w = Writer(Vec::with_capacity(CTRL_HEADER + sender.len() + payload.len()));
