@@ -526,7 +526,10 @@ int main(int argc, char **argv) {
         return 0;
     }
     suite_two_processes(false, true);
-    suite_two_processes(true, false);
+    /* The seed-bug regression concerns the staged path; with FI_HMEM the provider copies. */
+    const char *skip_reg = getenv("GPU_HARNESS_SKIP_REGRESSION");
+    if (!skip_reg || !*skip_reg)
+        suite_two_processes(true, false);
     suite_one_process(true, true);
     suite_one_process(false, false);
     suite_two_contexts();

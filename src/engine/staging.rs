@@ -150,6 +150,9 @@ impl<T> Slab<T> {
         self.free.push(i as u32);
         self.items[i].take()
     }
+    pub fn is_empty(&self) -> bool {
+        self.free.len() == self.items.len()
+    }
     pub fn tokens(&self) -> Vec<u64> {
         self.items.iter().enumerate().filter(|(_, v)| v.is_some()).map(|(i, _)| (self.gens[i] as u64) << 32 | i as u64).collect()
     }
@@ -171,6 +174,13 @@ fn apply(skip: bool, ctx: &cuda::Context) -> Result<()> {
         ctx.make_current()?;
     }
     Ok(())
+}
+
+impl Staging {
+    /// Nothing staged is in flight or waiting (the common case: a cheap check per pass).
+    pub fn idle(&self) -> bool {
+        self.jobs.is_empty() && self.serves.is_empty() && self.waiting.is_empty()
+    }
 }
 
 pub enum Start {
@@ -389,6 +399,9 @@ impl Driver {
 
     /// Polls the device copies of our chunks and of the serves, and starts waiting serves.
     pub fn advance_staging(&mut self) -> bool {
+        if self.staging.idle() {
+            return false;
+        }
         let mut work = false;
         let skip = self.core.skip_ctx_apply;
         for token in self.staging.jobs.tokens() {
