@@ -60,6 +60,9 @@ unit-test: deps | $(STAMP)
 -include plugin_tests/agent.mk
 -include tests/python/python.mk
 -include plugin_tests/gpu.mk
+-include plugin_tests/reliability.mk
+-include examples/examples.mk
+-include bench/bench.mk
 
 TEST_TARGETS ?=
 test: build check-header unit-test $(TEST_TARGETS)
