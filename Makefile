@@ -63,6 +63,7 @@ unit-test: deps | $(STAMP)
 -include plugin_tests/reliability.mk
 -include examples/examples.mk
 -include bench/bench.mk
+-include tests/netns/netns.mk
 
 TEST_TARGETS ?=
 test: build check-header unit-test $(TEST_TARGETS)

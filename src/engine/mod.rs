@@ -105,7 +105,11 @@ impl Engine {
         }
         // Ask for FI_HMEM only where a CUDA driver exists (it is what lets VRAM go zero-copy).
         let specs = fabric::discover(&cfg, crate::cuda::available())?;
+        // An explicit interface list means "a rail on each"; otherwise socket-like
+        // providers get one rail (their domains are often unrelated networks).
+        let listed = cfg.iface.split(',').filter(|s| !s.trim().is_empty()).count();
         let count = match cfg.rails {
+            0 if listed > 0 => specs.len(),
             0 if is_single_rail_provider(&specs[0].prov_name) => 1,
             0 => specs.len(),
             n => n as usize,
