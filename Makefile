@@ -20,6 +20,8 @@ STAMP     := $(BUILD)/.stamps
 export FI_TCP_IFACE ?= lo
 export FI_SOCKETS_IFACE ?= lo
 export NIXL_FABRIC_IFACE ?= lo
+# Tests name the provider they test; same-host shm would route around it (tested on its own).
+export NIXL_FABRIC_SAME_HOST_SHM ?= false
 
 .PHONY: build deps venv test demo bench install check-header unit-test clean
 
@@ -39,14 +41,15 @@ deps: | $(STAMP)
 # The stock NIXL agent from PyPI, the real client of our plugin in tests and benchmarks.
 $(VENV)/.ok:
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --no-deps "$(NIXL_PKG)" numpy pytest
+	$(VENV)/bin/pip install -q --no-deps "$(NIXL_PKG)"
+	$(VENV)/bin/pip install -q numpy pytest
 	@touch $@
 venv: deps $(VENV)/.ok
 
 build: deps
 	$(CARGO) build --$(PROFILE) --lib --bins
 	@mkdir -p $(PLUGINS)
-	@cp -f $(LIB) $(PLUGINS)/libplugin_$(BACKEND).so
+	@cp -f $(LIB) $(PLUGINS)/.libplugin_$(BACKEND).so.tmp && mv -f $(PLUGINS)/.libplugin_$(BACKEND).so.tmp $(PLUGINS)/libplugin_$(BACKEND).so
 	@echo "plugin: $(PLUGINS)/libplugin_$(BACKEND).so"
 
 # The committed header must equal what cbindgen generates from src/capi.

@@ -49,6 +49,21 @@ fn main() {
         let dt = t0.elapsed().as_secs_f64();
         println!("{prov} {op:?} {blocks} x {bs}: {:.3} GB/s, {:.1} ms/request, post {:.0} ns/desc", (n * iters) as f64 / dt / 1e9, dt * 1e3 / iters as f64, post_ns as f64 / (iters * blocks) as f64);
     }
+    // 8-byte WRITE latency, post -> delivered.
+    let pairs1 = [Pair { local: (src.as_ptr() as u64, 8, &ms), remote: (dst.as_ptr() as u64, 8, &rd) }];
+    let req = x.prepare(Op::Write, &pairs1, "y").unwrap();
+    let mut lat = Vec::new();
+    for _ in 0..2000 {
+        let t = Instant::now();
+        let mut s = x.post(&req, None).unwrap();
+        while s == Status::NF_IN_PROG {
+            if !thread { y.progress(); }
+            s = x.check(&req);
+        }
+        lat.push(t.elapsed().as_nanos() as u64);
+    }
+    lat.sort();
+    println!("8 B WRITE latency: median {:.1} us, p99 {:.1} us", lat[1000] as f64 / 1e3, lat[1980] as f64 / 1e3);
     let c = x.counters();
     println!("retries {} ops {} passes {}", c.retries, c.ops_posted, c.progress_passes);
 }

@@ -63,6 +63,8 @@ tunables! {
         "receive buffers pre-posted on rail 0 for control messages";
     max_inflight: u64 = U64, "1024", "NIXL_FABRIC_MAX_INFLIGHT",
         "most RMA operations outstanding per rail (also capped by the provider's queue size)";
+    same_host_shm: bool = Bool, "true", "NIXL_FABRIC_SAME_HOST_SHM",
+        "peers on the same host (same boot id) exchange data over an extra shm rail instead of the network rails";
     staging_buffer_size: u64 = Size, "67108864", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
         "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM)";
     staging_chunk_size: u64 = Size, "2097152", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
@@ -161,6 +163,7 @@ impl Config {
             max_notif_size: 0,
             ctrl_recv_count: 0,
             max_inflight: 0,
+            same_host_shm: true,
             staging_buffer_size: 0,
             staging_chunk_size: 0,
         }
@@ -172,7 +175,7 @@ impl Config {
         let mut c = Config::defaults();
         for t in TUNABLES {
             if let Ok(v) = std::env::var(t.env) {
-                (t.set)(&mut c, &v).map_err(|e| Error::InvalidParam(format!("{}: {e}", t.env)))?;
+                (t.set)(&mut c, &v).map_err(|_| Error::InvalidParam(format!("environment variable {}='{v}' is not a valid {:?}", t.env, t.kind)))?;
             }
         }
         Ok(c)

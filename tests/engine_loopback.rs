@@ -86,3 +86,35 @@ fn sockets_threaded() {
 fn shm_threaded() {
     round_trip("shm", true, 1 << 20);
 }
+
+/// Same-host peers move data over the extra shm rail; with it turned off, over tcp.
+#[test]
+fn same_host_peers_use_the_shm_rail() {
+    for shm in [true, false] {
+        let mut c = cfg("tcp", true);
+        c.set("same_host_shm", if shm { "true" } else { "false" }).unwrap();
+        let a = Engine::new("a", c.clone()).unwrap();
+        let b = Engine::new("b", c).unwrap();
+        assert_eq!(a.rail_count(), if shm { 2 } else { 1 });
+        a.load_conn_info("b", b.conn_info()).unwrap();
+        let size = 4 << 20;
+        let src = vec![9u8; size];
+        let dst = vec![0u8; size];
+        let ms = a.register(src.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
+        let md = b.register(dst.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
+        let rd = a.load_remote("b", &b.public_data(&md).unwrap()).unwrap();
+        let pairs = [Pair { local: (src.as_ptr() as u64, size as u64, &ms), remote: (dst.as_ptr() as u64, size as u64, &rd) }];
+        let req = a.prepare(Op::Write, &pairs, "b").unwrap();
+        let s = a.post(&req, None).unwrap();
+        let s = if s == Status::NF_IN_PROG { wait(&[&a, &b], &req) } else { s };
+        assert_eq!(s, Status::NF_SUCCESS);
+        assert!(dst.iter().all(|&x| x == 9));
+        let net = a.rail_counters(0).unwrap().bytes;
+        if shm {
+            assert_eq!(net, 0, "network rail carried data for a same-host peer");
+            assert_eq!(a.rail_counters(1).unwrap().bytes, size as u64, "shm rail");
+        } else {
+            assert_eq!(net, size as u64);
+        }
+    }
+}

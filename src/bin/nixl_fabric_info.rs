@@ -12,9 +12,14 @@ use std::time::{Duration, Instant};
 fn main() -> ExitCode {
     nixl_fabric::logging::init();
     let args: Vec<String> = std::env::args().skip(1).collect();
+    const USAGE: &str = "usage: nixl-fabric-info [--self-test] [--config-table] [key=value ...]";
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("usage: nixl-fabric-info [--self-test] [--config-table] [key=value ...]");
+        println!("{USAGE}");
         return ExitCode::SUCCESS;
+    }
+    if let Some(bad) = args.iter().find(|a| !a.contains('=') && !matches!(a.as_str(), "--self-test" | "--config-table")) {
+        eprintln!("unknown option '{bad}'\n{USAGE}");
+        return ExitCode::from(2);
     }
     if args.iter().any(|a| a == "--config-table") {
         println!("| key | environment variable | default | meaning |");
@@ -84,17 +89,20 @@ fn self_test(cfg: &Config) -> Result<(), String> {
     b.load_conn_info("self-test-a", a.conn_info()).map_err(e)?;
     println!("\nself-test (two engines in one process):");
     for size in [1usize << 20, 64 << 20] {
-        let src: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let mut src: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
         let mut dst = vec![0u8; size];
-        let ms = a.register(src.as_ptr() as u64, size as u64, MemKind::Dram, 0).map_err(e)?;
+        let ms = a.register(src.as_mut_ptr() as u64, size as u64, MemKind::Dram, 0).map_err(e)?;
         let md = b.register(dst.as_mut_ptr() as u64, size as u64, MemKind::Dram, 0).map_err(e)?;
         let rd = a.load_remote("self-test-b", &b.public_data(&md).map_err(e)?).map_err(e)?;
         for op in [Op::Write, Op::Read] {
             if op == Op::Read {
-                dst.iter_mut().for_each(|x| *x = 0);
-                // READ pulls b's buffer into ours: fill b first.
-                dst.copy_from_slice(&src);
+                // READ pulls b's buffer back into ours: give them different contents first,
+                // so the comparison below proves bytes moved.
+                for (i, x) in dst.iter_mut().enumerate() {
+                    *x = (i % 241) as u8 ^ 0xa5;
+                }
             }
+            let want = if op == Op::Read { dst.clone() } else { src.clone() };
             let pairs = [Pair { local: (src.as_ptr() as u64, size as u64, &ms), remote: (dst.as_ptr() as u64, size as u64, &rd) }];
             let req = a.prepare(op, &pairs, "self-test-b").map_err(e)?;
             let iters = if size > (8 << 20) { 4 } else { 32 };
@@ -116,7 +124,8 @@ fn self_test(cfg: &Config) -> Result<(), String> {
                 }
             }
             let dt = t0.elapsed().as_secs_f64();
-            if src != dst {
+            let got = if op == Op::Read { &src } else { &dst };
+            if *got != want {
                 return Err(format!("{op:?} of {size} bytes: data mismatch"));
             }
             println!("  {:?} {:>5} KiB: {:.2} GB/s", op, size >> 10, (size * iters) as f64 / dt / 1e9);

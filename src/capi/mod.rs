@@ -207,7 +207,7 @@ pub extern "C" fn nf_config_set(cfg: *mut nf_config, key: *const c_char, value: 
         let v = cstr(value, "value")?;
         match c.cfg.set(k, v) {
             Ok(crate::config::SetOutcome::Ignored) => {
-                log::info!("backend parameter '{k}' belongs to another backend; ignored");
+                log::warn!("backend parameter '{k}' has no meaning for this backend; ignored");
                 ok()
             }
             Ok(_) => ok(),
@@ -254,10 +254,16 @@ pub extern "C" fn nf_config_key_count() -> usize {
 pub extern "C" fn nf_config_key_at(index: usize, key: *mut *const c_char, default_value: *mut *const c_char, help: *mut *const c_char) -> nf_status {
     static KEYS: OnceLock<Vec<[CString; 3]>> = OnceLock::new();
     guard("nf_config_key_at", || {
+        // The defaults callers see are the effective ones (environment applied): TRT-LLM
+        // passes them back to createBackend, which must not undo NIXL_FABRIC_* settings.
         let keys = KEYS.get_or_init(|| {
+            let env = Config::from_env().unwrap_or_else(|_| Config::defaults());
             TUNABLES
                 .iter()
-                .map(|t| [t.key, t.default, t.help].map(|s| CString::new(s).unwrap_or_default()))
+                .map(|t| {
+                    let d = env.get(t.key).unwrap_or_else(|| t.default.to_string());
+                    [CString::new(t.key).unwrap_or_default(), CString::new(d).unwrap_or_default(), CString::new(t.help).unwrap_or_default()]
+                })
                 .collect()
         });
         let row = keys.get(index).ok_or_else(|| Error::NotFound(format!("config key index {index}")))?;

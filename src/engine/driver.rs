@@ -45,7 +45,14 @@ struct Conn {
     peer: Arc<Peer>,
     addrs: Arc<Vec<Vec<Option<FiAddr>>>>,
     last_completion: Instant,
+    last_kick: Option<Instant>,
 }
+
+/// How often a busy initiator reminds a peer that traffic is flowing. Manual-progress
+/// providers need the *target* to progress for RMA to land (or be read), yet RMA gives the
+/// target no completion to notice; the kick's receive completion does, and keeps the
+/// target's progress thread spinning instead of napping (see progress.rs).
+const KICK_INTERVAL: Duration = Duration::from_millis(5);
 
 pub(super) struct CtrlOut {
     pub peer_id: u64,
@@ -277,6 +284,7 @@ impl Driver {
         }
         st.phase = Phase::Data;
         st.last_progress = Instant::now();
+        self.kick(peer.id);
         let empty = req.segs.is_empty();
         if empty {
             self.data_done(&req, &mut st);
@@ -326,13 +334,15 @@ impl Driver {
         if self.conns.contains_key(&peer.id) {
             return Ok(());
         }
-        let mut addrs = Vec::with_capacity(self.rails.len());
-        for rail in &self.rails {
-            let mut row = Vec::with_capacity(peer.info.rails.len());
-            for ra in &peer.info.rails {
-                row.push(if ra.provider == rail.caps.prov_name { Some(rail.av_insert(&ra.addr)?) } else { None });
+        // Only the pairs the route uses, plus rail 0 <-> rail 0 for control messages: a
+        // remote host's shm address must never reach our shm AV.
+        let mut addrs: Vec<Vec<Option<FiAddr>>> = vec![vec![None; peer.info.rails.len()]; self.rails.len()];
+        let wanted = peer.route.iter().map(|p| (p.rail as usize, p.rrail as usize)).chain(std::iter::once((0, 0)));
+        for (l, r) in wanted {
+            let (Some(rail), Some(ra)) = (self.rails.get(l), peer.info.rails.get(r)) else { continue };
+            if addrs[l][r].is_none() && ra.provider == rail.caps.prov_name {
+                addrs[l][r] = Some(rail.av_insert(&ra.addr)?);
             }
-            addrs.push(row);
         }
         let Some(ctrl) = addrs[0][0] else {
             return Err(Error::NotSupported(format!(
@@ -341,10 +351,23 @@ impl Driver {
             )));
         };
         log::info!("{}: connected to agent '{}' ({} local x {} remote rails)", self.core.name, peer.name, self.rails.len(), peer.info.rails.len());
-        self.conns.insert(peer.id, Conn { peer: peer.clone(), addrs: Arc::new(addrs), last_completion: Instant::now() });
+        self.conns.insert(peer.id, Conn { peer: peer.clone(), addrs: Arc::new(addrs), last_completion: Instant::now(), last_kick: None });
         let hello = wire::encode_ctrl(CtrlType::Hello, self.core.engine_id, &self.core.name, &self.core.conn_info);
         self.ctrl_out.push_back(CtrlOut { peer_id: peer.id, dest: ctrl, bytes: hello, req: None });
         Ok(())
+    }
+
+    /// Sends a Kick to a peer unless one went out within KICK_INTERVAL.
+    fn kick(&mut self, peer_id: u64) {
+        let now = Instant::now();
+        let Some(c) = self.conns.get_mut(&peer_id) else { return };
+        if c.last_kick.is_some_and(|t| now.duration_since(t) < KICK_INTERVAL) {
+            return;
+        }
+        c.last_kick = Some(now);
+        let Some(dest) = c.addrs[0][0] else { return };
+        let bytes = wire::encode_ctrl(CtrlType::Kick, self.core.engine_id, &self.core.name, &[]);
+        self.ctrl_out.push_back(CtrlOut { peer_id, dest, bytes, req: None });
     }
 
     pub fn disconnect(&mut self, peer_id: u64) {
@@ -705,6 +728,8 @@ impl Driver {
                 Ok(a) => self.on_stage_ack(a),
                 Err(e) => log::warn!("{}: dropping a stage answer from '{}': {e}", self.core.name, msg.sender),
             },
+            // Its receive completion already made this pass busy: that is all it is for.
+            CtrlType::Kick => {}
             CtrlType::Notif => {
                 add(&self.core.counters.notifs_received, 1);
                 self.core.push_notif(msg.sender.to_string(), msg.payload.to_vec());

@@ -23,7 +23,7 @@ use crate::error::{Error, Result, Status};
 use crate::fabric::{self, Rail};
 use self::core::{Core, Submit};
 use driver::Driver;
-use peer::Peer;
+use peer::{Peer, RoutePair};
 use registry::{CloseQueue, SharedCloseQueue};
 use request::{dedup_arcs, Phase, Seg, SegKind, Target};
 use std::collections::HashMap;
@@ -44,6 +44,7 @@ struct RailShape {
     max_msg: u64,
     virt_addr: bool,
     hmem: bool,
+    provider: String,
 }
 
 pub struct Engine {
@@ -114,9 +115,19 @@ impl Engine {
             0 => specs.len(),
             n => n as usize,
         };
-        let mut rails: Vec<Rail> = Vec::with_capacity(count);
+        let mut rails: Vec<Rail> = Vec::with_capacity(count + 1);
         for i in 0..count {
             rails.push(Rail::open(&specs[i % specs.len()], i, cfg.progress_thread)?);
+        }
+        // A shm rail beside the network rails, for peers on this host.
+        if cfg.same_host_shm && !specs[0].prov_name.starts_with("shm") {
+            let mut shm_cfg = cfg.clone();
+            shm_cfg.provider = "shm".into();
+            shm_cfg.iface = String::new();
+            match fabric::discover(&shm_cfg, crate::cuda::available()).and_then(|s| Rail::open(&s[0], count, cfg.progress_thread)) {
+                Ok(r) => rails.push(r),
+                Err(e) => log::info!("{name}: no shm rail for same-host peers ({e}); they use the network rails"),
+            }
         }
         let engine_id = random_u64();
         let conn = ConnInfo {
@@ -125,7 +136,12 @@ impl Engine {
             agent: name.to_string(),
             rails: rails.iter().map(|r| RailAddr { provider: r.caps.prov_name.clone(), addr: r.name.clone() }).collect(),
         };
-        let shapes = rails.iter().map(|r| RailShape { max_msg: r.caps.max_msg_size.max(4096), virt_addr: r.caps.virt_addr, hmem: r.caps.hmem }).collect();
+        let shapes = rails.iter().map(|r| RailShape {
+            max_msg: r.caps.max_msg_size.max(4096),
+            virt_addr: r.caps.virt_addr,
+            hmem: r.caps.hmem,
+            provider: r.caps.prov_name.clone(),
+        }).collect();
         let closeq: SharedCloseQueue = Arc::new(Mutex::new(CloseQueue::default()));
         let threaded = cfg.progress_thread;
         let core = Arc::new(Core::new(name, engine_id, cfg, conn.encode(), rails.len(), closeq));
@@ -260,8 +276,7 @@ impl Engine {
             return Err(Error::InvalidParam(format!("connection info for our own name '{name}' is not ours")));
         }
         let info = ConnInfo::decode(blob)?;
-        let ours = &self.core.conn_info;
-        let our0 = ConnInfo::decode(ours)?.rails.remove(0).provider;
+        let our0 = self.shapes[0].provider.clone();
         if info.rails[0].provider != our0 {
             return Err(Error::NotSupported(format!(
                 "agent '{name}' uses provider {}, this engine uses {our0}", info.rails[0].provider
@@ -278,8 +293,38 @@ impl Engine {
             self.core.submit(Submit::Task(Box::new(move |d| d.disconnect(id))));
         }
         let id = self.next_peer_id.fetch_add(1, Ordering::Relaxed);
-        peers.insert(name.to_string(), Arc::new(Peer::new(id, name, info, blob.to_vec())));
+        let (route, same_host) = self.route_to(&info);
+        log::info!("{}: agent '{name}' {} via rail pairs {:?}", self.core.name,
+            if same_host { "is on this host" } else { "is remote" }, route.iter().map(|p| (p.rail, p.rrail)).collect::<Vec<_>>());
+        peers.insert(name.to_string(), Arc::new(Peer::new(id, name, info, blob.to_vec(), route, same_host)));
         Ok(())
+    }
+
+    /// Which rail pairs carry data to a peer: the shm pair when both sides have one and
+    /// share a host; otherwise every network rail of ours against every one of theirs
+    /// (max(L, R) pairs, so neither side leaves a NIC idle).
+    fn route_to(&self, info: &ConnInfo) -> (Vec<RoutePair>, bool) {
+        let ours = self.own_info();
+        let same_host = info.host_id == ours.host_id && info.host_id != [0u8; 16];
+        let shm = |rails: &[RailAddr]| rails.iter().position(|r| r.provider == "shm");
+        let net_prov = &self.shapes[0].provider;
+        if same_host && net_prov != "shm" {
+            if let (Some(l), Some(r)) = (self.shapes.iter().position(|s| s.provider == "shm"), shm(&info.rails)) {
+                return (vec![RoutePair { rail: l as u16, rrail: r as u16, virt: Some(self.shapes[l].virt_addr) }], true);
+            }
+        }
+        let local: Vec<usize> = (0..self.shapes.len()).filter(|&i| self.shapes[i].provider == *net_prov).collect();
+        let remote: Vec<usize> = (0..info.rails.len()).filter(|&i| info.rails[i].provider == *net_prov).collect();
+        let n = local.len().max(remote.len());
+        let route = (0..n)
+            .map(|j| RoutePair { rail: local[j % local.len()] as u16, rrail: remote[j % remote.len().max(1)] as u16, virt: None })
+            .collect();
+        (route, same_host)
+    }
+
+    fn own_info(&self) -> ConnInfo {
+        // Our own blob always decodes (we encoded it).
+        ConnInfo::decode(&self.core.conn_info).unwrap_or(ConnInfo { engine_id: 0, host_id: [0; 16], agent: String::new(), rails: Vec::new() })
     }
 
     fn peer(&self, name: &str) -> Result<Arc<Peer>> {
@@ -356,7 +401,6 @@ impl Engine {
                 return Err(Error::Disconnected(format!("agent '{peer_name}' was disconnected")));
             }
         }
-        let nrails = self.shapes.len();
         let stripe = self.core.cfg.striping_threshold.max(1);
         let mut segs = Vec::with_capacity(pairs.len());
         for (i, p) in pairs.iter().enumerate() {
@@ -387,26 +431,31 @@ impl Engine {
                             "remote descriptor {i} belongs to agent '{}', not '{peer_name}'", owner.name
                         )));
                     }
-                    let rrails = desc.keys.len();
+                    let route = &peer.route;
+                    if route.is_empty() || route.iter().any(|p| p.rrail as usize >= desc.keys.len()) {
+                        return Err(Error::InvalidParam(format!("no rail reaches agent '{peer_name}' for descriptor {i}")));
+                    }
                     let lstaged = lm.dev.filter(|d| d.staged);
                     if lstaged.is_some() || desc.staged {
-                        self.staged_segs(&mut segs, (la, ll, lm), (ra, desc), lstaged, nrails, rrails);
+                        self.staged_segs(&mut segs, (la, ll, lm), (ra, desc), lstaged, route);
                         continue;
                     }
-                    let pieces = if ll >= stripe && nrails > 1 { nrails as u64 } else { 1 };
-                    let first = if pieces == 1 { self.rr.fetch_add(1, Ordering::Relaxed) % nrails } else { 0 };
+                    let n = route.len();
+                    let pieces = if ll >= stripe && n > 1 { n as u64 } else { 1 };
+                    let first = if pieces == 1 { self.rr.fetch_add(1, Ordering::Relaxed) % n } else { 0 };
                     let piece = ll.div_ceil(pieces).next_multiple_of(4096);
                     let mut off = 0;
                     let mut j = 0;
                     while off < ll {
-                        let rail = (first + j) % nrails;
-                        let rrail = rail % rrails;
+                        let hop = route[(first + j) % n];
+                        let (rail, rrail) = (hop.rail as usize, hop.rrail as usize);
+                        let virt = hop.virt.unwrap_or(desc.virt_addr);
                         let mut plen = piece.min(ll - off);
                         let max = self.shapes[rail].max_msg;
                         let pend = off + plen;
                         while off < pend {
                             plen = (pend - off).min(max);
-                            let raddr = if desc.virt_addr { ra + off } else { ra - desc.base + off };
+                            let raddr = if virt { ra + off } else { ra - desc.base + off };
                             segs.push(Seg {
                                 local: la + off,
                                 len: plen,
@@ -441,18 +490,18 @@ impl Engine {
 
     /// Cuts a pair with staged device memory on either side into staging chunks.
     fn staged_segs(&self, segs: &mut Vec<Seg>, local: (u64, u64, &Arc<LocalMem>), remote: (u64, &MemDesc),
-                   lstaged: Option<gpu::DeviceMem>, nrails: usize, rrails: usize) {
+                   lstaged: Option<gpu::DeviceMem>, route: &[RoutePair]) {
         let (la, ll, lm) = local;
         let (ra, desc) = remote;
         let chunk = self.core.cfg.staging_chunk_size;
         let mut off = 0;
         while off < ll {
             let len = chunk.min(ll - off);
-            let rail = self.rr.fetch_add(1, Ordering::Relaxed) % nrails;
-            let rrail = rail % rrails;
+            let hop = route[self.rr.fetch_add(1, Ordering::Relaxed) % route.len()];
+            let (rail, rrail) = (hop.rail as usize, hop.rrail as usize);
             let (kind, raddr, rkey) = match (lstaged, desc.staged) {
                 (Some(d), false) => {
-                    let raddr = if desc.virt_addr { ra + off } else { ra - desc.base + off };
+                    let raddr = if hop.virt.unwrap_or(desc.virt_addr) { ra + off } else { ra - desc.base + off };
                     (SegKind::DevToHost { ctx: d.ctx }, raddr, desc.keys[rrail])
                 }
                 (None, true) => {

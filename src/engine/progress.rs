@@ -6,9 +6,11 @@ use super::driver::{Driver, Idle};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-/// Idle passes spent spinning before the thread sleeps: a request usually follows soon.
-const SPIN_PASSES: u32 = 200;
+/// How long the thread keeps polling after the last pass that did something: traffic comes
+/// in bursts, and a napping target delays every step of a peer's RMA by its nap.
+const SPIN_WINDOW: Duration = Duration::from_millis(20);
 /// First sleep of an idle thread, in µs; sleeps double from here.
 const MIN_NAP_US: u64 = 20;
 /// Longest sleep of an idle thread when the agent gives no pthrDelay.
@@ -25,7 +27,7 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
         0 => DEFAULT_IDLE_US,
         us => us.max(MIN_NAP_US),
     };
-    let mut idle = 0u32;
+    let mut last_busy = Instant::now();
     let mut nap = MIN_NAP_US / 2;
     while !stop.load(Ordering::Acquire) {
         let busy = {
@@ -40,12 +42,11 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
             }
         };
         if busy {
-            idle = 0;
+            last_busy = Instant::now();
             nap = MIN_NAP_US / 2;
             continue;
         }
-        idle += 1;
-        if idle < SPIN_PASSES {
+        if last_busy.elapsed() < SPIN_WINDOW {
             std::thread::yield_now();
             continue;
         }

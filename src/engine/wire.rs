@@ -196,6 +196,8 @@ pub enum CtrlType {
     Stage = 3,
     /// The owner's answer to a Stage request (payload: [`StageAck`]).
     StageAck = 4,
+    /// "Traffic is coming": keeps the receiver's progress thread polling (no payload).
+    Kick = 5,
 }
 
 /// Direction of a stage request, seen from the device memory's owner.
@@ -298,6 +300,7 @@ pub fn decode_ctrl(buf: &[u8]) -> Result<Ctrl<'_>> {
         2 => CtrlType::Notif,
         3 => CtrlType::Stage,
         4 => CtrlType::StageAck,
+        5 => CtrlType::Kick,
         t => return Err(Error::Malformed { what: "control message", why: format!("unknown type {t}") }),
     };
     let sender_id = r.u64("sender id")?;

@@ -146,7 +146,7 @@ pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
             let list = match getinfo(prov, dc, hmem) {
                 Ok(l) => l,
                 Err(e) => {
-                    last_err = Some(e);
+                    last_err = Some(Error::NotFound(format!("provider '{prov}' is not available: {e}")));
                     continue;
                 }
             };
@@ -218,6 +218,11 @@ pub fn provider_list() -> Vec<ProviderSummary> {
             // SAFETY: p is a live list element.
             unsafe {
                 let i = &*p;
+                let dup = v.iter().any(|x: &ProviderSummary| x.prov_name == pn && x.domain == dn && x.fabric == fname);
+                if dup {
+                    p = i.next;
+                    continue;
+                }
                 v.push(ProviderSummary {
                     prov_name: pn,
                     domain: dn,

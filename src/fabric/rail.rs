@@ -91,8 +91,6 @@ pub struct Rail {
     domain: Arc<Domain>,
     fabric: Arc<Fabric>,
     wait_fd: Option<i32>,
-    /// Writes carry remote CQ data, so the target sees a completion per write.
-    remote_cq_data: bool,
     _spec: RailSpec,
 }
 
@@ -158,8 +156,7 @@ impl Rail {
             caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
-        let remote_cq_data = caps.cq_data_size > 0 && std::env::var("NF_X_CQD").is_ok();
-        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, remote_cq_data, _spec: spec })
+        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, _spec: spec })
     }
 
     /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
@@ -216,9 +213,6 @@ impl Rail {
             flags |= sys::FI_DELIVERY_COMPLETE as u64;
         }
 
-        if write && self.remote_cq_data {
-            flags |= sys::FI_REMOTE_CQ_DATA as u64;
-        }
         if more {
             flags |= sys::FI_MORE as u64;
         }
