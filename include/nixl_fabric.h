@@ -239,6 +239,9 @@ nf_status nf_request_post(nf_engine *engine,
 // Status of the last post: NF_SUCCESS, NF_IN_PROG or the error that failed it.
 nf_status nf_request_check(nf_engine *engine, nf_request *req);
 
+// The request's total bytes and its operation (`nf_op`), for telemetry.
+nf_status nf_request_info(const nf_request *req, uint64_t *bytes, uint32_t *op);
+
 // Releases a request. One in flight (status NF_IN_PROG) is cancelled and drained, bounded
 // by timeout_ms; if it cannot drain in time the call returns NF_ERR_REPOST_ACTIVE and
 // keeps the handle (NIXL's failed abort), and a second call frees it regardless. A request

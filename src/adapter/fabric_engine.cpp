@@ -157,6 +157,8 @@ nixl_status_t FabricEngine::registerMem(const nixlBlobDesc &mem, const nixl_mem_
                                             mem.devId, &md->mem);
         if (s != NF_SUCCESS)
             return to_nixl(s);
+        md->len = mem.len;
+        addTelemetryEvent(nixl_telemetry_event_type_t::AGENT_MEMORY_REGISTERED, mem.len);
         out = md.release();
         return NIXL_SUCCESS;
     });
@@ -167,6 +169,7 @@ nixl_status_t FabricEngine::deregisterMem(nixlBackendMD *meta) noexcept {
         const LocalMD *md = as_local(meta);
         if (!md)
             return NIXL_ERR_INVALID_PARAM;
+        addTelemetryEvent(nixl_telemetry_event_type_t::AGENT_MEMORY_DEREGISTERED, md->len);
         const nf_status s = nf_mem_deregister(engine_, md->mem);
         delete md; // the agent forgets the MD whatever the result
         return to_nixl(s);
@@ -311,7 +314,7 @@ nixl_status_t FabricEngine::postXfer(const nixl_xfer_op_t &operation, const nixl
         const bool has_notif = opt_args && opt_args->hasNotif;
         const uint8_t *msg = has_notif ? bytes(opt_args->notifMsg) : nullptr;
         const size_t msg_len = has_notif ? opt_args->notifMsg.size() : 0;
-        return to_nixl(nf_request_post(engine_, h->req, msg, msg_len, has_notif));
+        return account(h->req, to_nixl(nf_request_post(engine_, h->req, msg, msg_len, has_notif)));
     });
 }
 
@@ -320,8 +323,25 @@ nixl_status_t FabricEngine::checkXfer(nixlBackendReqH *handle) const noexcept {
         FabricReqH *h = as_req(handle);
         if (!h)
             return NIXL_ERR_INVALID_PARAM;
-        return to_nixl(nf_request_check(engine_, h->req));
+        return account(h->req, to_nixl(nf_request_check(engine_, h->req)));
     });
+}
+
+nixl_status_t FabricEngine::account(nf_request *req, nixl_status_t s) const {
+    using T = nixl_telemetry_event_type_t;
+    if (s == NIXL_SUCCESS) {
+        uint64_t bytes = 0;
+        uint32_t op = 0;
+        if (nf_request_info(req, &bytes, &op) == NF_SUCCESS) {
+            const bool write = op == NF_OP_WRITE;
+            addTelemetryEvent(write ? T::AGENT_TX_BYTES : T::AGENT_RX_BYTES, bytes);
+            addTelemetryEvent(write ? T::AGENT_TX_REQUESTS_NUM : T::AGENT_RX_REQUESTS_NUM, 1);
+        }
+    } else if (s < 0 && s >= NIXL_ERR_CANCELED) {
+        // Error events follow the status codes: -1 -> AGENT_ERR_NOT_POSTED, and so on.
+        addTelemetryEvent(static_cast<T>(static_cast<uint32_t>(T::AGENT_ERR_NOT_POSTED) - 1 - s), 1);
+    }
+    return s;
 }
 
 nixl_status_t FabricEngine::releaseReqH(nixlBackendReqH *handle) const noexcept {

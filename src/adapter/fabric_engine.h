@@ -31,6 +31,7 @@ class LocalMD final : public AdapterMD {
   public:
     LocalMD() : AdapterMD(Kind::Local, true) {}
     nf_mem *mem = nullptr;
+    uint64_t len = 0;
 };
 
 // From loadRemoteMD (a peer's registration) or loadLocalMD (a distinct self MD, via
@@ -54,6 +55,8 @@ class FabricReqH final : public nixlBackendReqH {
 class FabricEngine final : public nixlBackendEngine {
   public:
     explicit FabricEngine(const nixlBackendInitParams *init);
+    // A finished post's status as telemetry: bytes and requests, or the error.
+    nixl_status_t account(nf_request *req, nixl_status_t s) const;
     ~FabricEngine() override;
 
     bool supportsRemote() const noexcept override { return true; }

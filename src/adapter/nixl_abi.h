@@ -226,6 +226,20 @@ class nixlBackendEngine {
     nixlBackendEngine &operator=(const nixlBackendEngine &) = delete;
     nixlBackendEngine &operator=(nixlBackendEngine &&) = delete;
 
+  protected:
+    // Pushes one telemetry event the way the base class keeps them: only with telemetry
+    // on, at most 1000, under the base's mutex. (The vector is the base's own state; the
+    // agent never drains it in 1.5.1, so the cap keeps it bounded.)
+    void addTelemetryEvent(nixl_telemetry_event_type_t type, uint64_t value) const {
+        if (!enableTelemetry_)
+            return;
+        std::lock_guard<std::mutex> g(telemetryEventsMutex_);
+        auto &events = const_cast<std::vector<nixlTelemetryEvent> &>(telemetryEvents_);
+        if (events.size() < 1000)
+            events.push_back({type, value});
+    }
+
+  public:
     // Inline accessors as the agent uses them (it reads the fields directly).
     const nixl_backend_t &getType() const { return backendType; }
     const nixl_b_params_t &getCustomParams() const { return customParams; }

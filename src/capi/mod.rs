@@ -570,6 +570,17 @@ pub extern "C" fn nf_request_check(engine: *mut nf_engine, req: *mut nf_request)
     })
 }
 
+/// The request's total bytes and its operation (`nf_op`), for telemetry.
+#[no_mangle]
+pub extern "C" fn nf_request_info(req: *const nf_request, bytes: *mut u64, op: *mut u32) -> nf_status {
+    guard("nf_request_info", || {
+        let r = handle(req, REQ_MAGIC, "request")?;
+        *out(bytes, "bytes")? = r.req.bytes;
+        *out(op, "op")? = if r.req.op == engine::Op::Write { 1 } else { 0 };
+        ok()
+    })
+}
+
 /// Releases a request. One in flight (status NF_IN_PROG) is cancelled and drained, bounded
 /// by timeout_ms; if it cannot drain in time the call returns NF_ERR_REPOST_ACTIVE and
 /// keeps the handle (NIXL's failed abort), and a second call frees it regardless. A request

@@ -117,14 +117,14 @@ impl Engine {
         };
         let mut rails: Vec<Rail> = Vec::with_capacity(count + 1);
         for i in 0..count {
-            rails.push(Rail::open(&specs[i % specs.len()], i, cfg.progress_thread)?);
+            rails.push(Rail::open(name, &specs[i % specs.len()], i, cfg.progress_thread)?);
         }
         // A shm rail beside the network rails, for peers on this host.
         if cfg.same_host_shm && !specs[0].prov_name.starts_with("shm") {
             let mut shm_cfg = cfg.clone();
             shm_cfg.provider = "shm".into();
             shm_cfg.iface = String::new();
-            match fabric::discover(&shm_cfg, crate::cuda::available()).and_then(|s| Rail::open(&s[0], count, cfg.progress_thread)) {
+            match fabric::discover(&shm_cfg, crate::cuda::available()).and_then(|s| Rail::open(name, &s[0], count, cfg.progress_thread)) {
                 Ok(r) => rails.push(r),
                 Err(e) => log::info!("{name}: no shm rail for same-host peers ({e}); they use the network rails"),
             }

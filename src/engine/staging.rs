@@ -31,7 +31,7 @@ pub struct Stager {
 }
 
 impl Stager {
-    pub fn new(ctx: &cuda::Context, rails: &[Rail], size: usize, chunk: usize, next_key: &mut u64) -> Result<Stager> {
+    pub fn new(owner: &str, ctx: &cuda::Context, rails: &[Rail], size: usize, chunk: usize, next_key: &mut u64) -> Result<Stager> {
         let chunk = chunk.clamp(4096, size.max(4096));
         let n = (size / chunk).max(2);
         let buf = cuda::PinnedBuffer::new(ctx, n * chunk)?;
@@ -40,7 +40,7 @@ impl Stager {
             *next_key += 1;
             mrs.push(r.register(buf.ptr(), buf.len(), *next_key, None)?);
         }
-        log::info!("staging pool: {n} slots of {chunk} bytes ({} MiB pinned)", (n * chunk) >> 20);
+        log::info!("{owner}: staging pool: {n} slots of {chunk} bytes ({} MiB pinned)", (n * chunk) >> 20);
         Ok(Stager { mrs, buf, chunk, free: (0..n as u32).rev().collect(), own_cap: (n / 2).max(1), own_held: 0, streams: HashMap::new() })
     }
 
@@ -198,7 +198,7 @@ impl Driver {
         if self.staging.pool.is_none() {
             let cfg = &self.core.cfg;
             let (size, chunk) = (cfg.staging_buffer_size as usize, cfg.staging_chunk_size as usize);
-            self.staging.pool = Some(Stager::new(ctx, &self.rails, size, chunk, &mut self.next_key)?);
+            self.staging.pool = Some(Stager::new(&self.core.name, ctx, &self.rails, size, chunk, &mut self.next_key)?);
         }
         Ok(())
     }

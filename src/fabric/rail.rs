@@ -105,7 +105,8 @@ fn flag(v: u64, f: u64) -> bool {
 
 impl Rail {
     /// Opens every object of the rail in dependency order.
-    pub fn open(spec: &RailSpec, index: usize, want_wait_fd: bool) -> Result<Rail> {
+    /// `owner` names the agent in log lines.
+    pub fn open(owner: &str, spec: &RailSpec, index: usize, want_wait_fd: bool) -> Result<Rail> {
         let spec = spec.clone();
         let info = spec.info;
         // SAFETY: info is an owned, valid fi_info.
@@ -140,7 +141,7 @@ impl Rail {
         let cq = match Cq::open(&domain, cq_size, want_wait_fd, index) {
             Ok(cq) => cq,
             Err(e) if want_wait_fd => {
-                log::debug!("rail {index}: no CQ wait fd ({e}); the progress thread will poll");
+                log::debug!("{owner}: rail {index}: no CQ wait fd ({e}); the progress thread will poll");
                 Cq::open(&domain, cq_size, false, index)?
             }
             Err(e) => return Err(e),
@@ -150,7 +151,7 @@ impl Rail {
         let ep = Endpoint::open(&domain, info, &cq, &av, index)?;
         let name = ep.name(index)?;
         log::info!(
-            "rail {index}: provider {} domain {} fabric {} mr_local={} virt_addr={} prov_key={} \
+            "{owner}: rail {index}: provider {} domain {} fabric {} mr_local={} virt_addr={} prov_key={} \
              inject={} tx={} rx={} delivery_complete={} cq_data={} context={} hmem={} wait_fd={}",
             caps.prov_name, caps.domain_name, spec.fabric_name, caps.mr_local, caps.virt_addr,
             caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete,
