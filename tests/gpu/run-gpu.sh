@@ -4,6 +4,8 @@
 set -u
 B=$(cd "$(dirname "$0")" && pwd)
 export FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo NIXL_FABRIC_PROVIDER=tcp
+# Measure the tcp provider itself; the same-host shm rail gets its own run below.
+export NIXL_FABRIC_SAME_HOST_SHM=false
 rc=0
 section() { echo; echo "===== $*"; }
 section "host"
@@ -27,6 +29,9 @@ NIXL_PLUGIN_DIR=$B/plugins timeout 300 python3 "$B/agent_vram.py" --backend LIBF
 grep -vE "NIXL INFO" "$B/agent_ours.log" | grep -v "^JSON" | tail -40
 env -u NIXL_PLUGIN_DIR UCX_MODULES='^ib' timeout 300 python3 "$B/agent_vram.py" --backend UCX > "$B/agent_ucx.log" 2>&1
 grep -vE "NIXL INFO" "$B/agent_ucx.log" | grep -v "^JSON" | tail -40
+NIXL_FABRIC_SAME_HOST_SHM=true NIXL_PLUGIN_DIR=$B/plugins timeout 300 python3 "$B/agent_vram.py" --backend LIBFABRIC > "$B/agent_ours_shm.log" 2>&1 || rc=1
+echo "-- ours with the same-host shm rail (default configuration):"
+grep -vE "NIXL INFO" "$B/agent_ours_shm.log" | grep -v "^JSON" | tail -40
 python3 - "$B/agent_ours.log" "$B/agent_ucx.log" <<'PY'
 import json, sys
 def load(p):
