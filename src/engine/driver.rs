@@ -71,6 +71,15 @@ struct Initiator {
 const SEND_BUFFERS: usize = 32;
 const POLL_BATCH: usize = 64;
 
+/// What one pass did.
+#[derive(Clone, Copy, Debug)]
+pub struct Pass {
+    /// Something happened: work taken, operations posted, completions read.
+    pub did: bool,
+    /// Requests, control messages or staging chunks are still in flight.
+    pub pending: bool,
+}
+
 /// What an idle progress thread may wait on.
 pub enum Idle {
     /// Some CQ has no wait fd: sleep on a timer only.
@@ -95,6 +104,14 @@ pub struct Driver {
     pub(super) ctrl_out: VecDeque<CtrlOut>,
     inflight: Vec<usize>,
     cap: Vec<usize>,
+    /// Per rail: whether writes there are transmit-complete plus a flush read (the rail
+    /// orders reads after writes) instead of delivery-complete, which tcp;ofi_rxm answers
+    /// only after the target's next progress (milliseconds).
+    flush_writes: Vec<bool>,
+    /// Landing place of flush reads, registered on every rail.
+    flush_buf: Box<[u8; 64]>,
+    flush_mrs: Vec<MemoryRegion>,
+    flushes: VecDeque<(Arc<Request>, u64, usize)>,
     last_sweep: Instant,
     pub(super) next_key: u64,
     /// The captured contexts (copy of the engine's registry) and its version.
@@ -119,6 +136,12 @@ impl Driver {
         ctrl.send_mr = Some(rails[0].register(ctrl.send.as_ptr(), ctrl.send.len(), 2, None)?);
         let cap = rails.iter().map(|r| (cfg.max_inflight as usize).min(r.caps.tx_size).max(1)).collect();
         let n = rails.len();
+        let flush_writes: Vec<bool> = rails.iter().map(|r| r.caps.order_raw).collect();
+        let flush_buf = Box::new([0u8; 64]);
+        let mut flush_mrs = Vec::with_capacity(n);
+        for r in &rails {
+            flush_mrs.push(r.register(flush_buf.as_ptr(), flush_buf.len(), 3, None)?);
+        }
         let mut d = Driver {
             ops: OpPool::with_capacity(1024),
             staging: Staging::default(),
@@ -131,6 +154,10 @@ impl Driver {
             ctrl_out: VecDeque::new(),
             inflight: vec![0; n],
             cap,
+            flush_writes,
+            flush_buf,
+            flush_mrs,
+            flushes: VecDeque::new(),
             last_sweep: Instant::now(),
             next_key: 16,
             ctxs: Vec::new(),
@@ -177,16 +204,19 @@ impl Driver {
         Ok(mrs)
     }
 
-    /// One pass of the progress loop. Returns whether work is outstanding (the caller
-    /// should pass again soon rather than sleep).
-    pub fn pass(&mut self) -> bool {
+    /// One pass of the progress loop. Says whether it did anything and whether work is
+    /// still outstanding, so the progress thread can pick between passing again, a short
+    /// nap, and a long one.
+    pub fn pass(&mut self) -> Pass {
         add(&self.core.counters.progress_passes, 1);
         self.apply_contexts();
         for mr in super::registry::CloseQueue::drain(&self.core.closeq) {
             drop(mr);
         }
-        self.drain_submit();
+        let posted0 = self.core.counters.ops_posted.load(std::sync::atomic::Ordering::Relaxed);
+        let took = self.drain_submit();
         self.post_pending();
+        self.post_flushes();
         self.flush_ctrl();
         let mut got = 0;
         for r in 0..self.rails.len() {
@@ -195,6 +225,7 @@ impl Driver {
         // Completions may have freed queue slots: post again in the same pass.
         if got > 0 {
             self.post_pending();
+            self.post_flushes();
             self.flush_ctrl();
         }
         let staging = self.advance_staging();
@@ -202,7 +233,11 @@ impl Driver {
             self.flush_ctrl();
         }
         self.sweep();
-        staging || got > 0 || !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty()
+        let posted = self.core.counters.ops_posted.load(std::sync::atomic::Ordering::Relaxed) != posted0;
+        Pass {
+            did: took || got > 0 || posted,
+            pending: staging || !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty() || !self.flushes.is_empty(),
+        }
     }
 
     /// Rule 4: before this pass touches the provider or device memory, the context
@@ -259,13 +294,16 @@ impl Driver {
         self.initiators.iter().find(|(_, i)| i.addr == Some(addr)).map(|(id, _)| *id)
     }
 
-    fn drain_submit(&mut self) {
-        for s in self.core.take_submitted() {
+    fn drain_submit(&mut self) -> bool {
+        let work = self.core.take_submitted();
+        let any = !work.is_empty();
+        for s in work {
             match s {
                 Submit::Post(req) => self.begin(req),
                 Submit::Task(f) => f(self),
             }
         }
+        any
     }
 
     fn begin(&mut self, req: Arc<Request>) {
@@ -459,7 +497,7 @@ impl Driver {
                 let more = st.next + 1 < req.segs.len();
                 let r = &self.rails[rail];
                 let res = match req.op {
-                    Op::Write => r.write(s.local as *const u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more),
+                    Op::Write => r.write(s.local as *const u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more, !self.flush_writes[rail]),
                     Op::Read => r.read(s.local as *mut u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more),
                 };
                 match res {
@@ -468,6 +506,9 @@ impl Driver {
                         st.outstanding += 1;
                         st.inflight_total += 1;
                         self.inflight[rail] += 1;
+                        if req.op == Op::Write && self.flush_writes[rail] {
+                            st.unflushed |= 1 << rail;
+                        }
                         add(&self.core.counters.ops_posted, 1);
                     }
                     Ok(Posted::Again) => {
@@ -510,6 +551,12 @@ impl Driver {
         if st.phase != Phase::Data {
             return;
         }
+        if st.error.is_none() && !st.cancelled && !st.flushing && st.unflushed != 0 {
+            st.flushing = true;
+            if self.queue_flushes(req, st) {
+                return; // data_done runs again when the flush reads complete
+            }
+        }
         if let Some(e) = st.error.take() {
             self.complete(req, st, Err(e));
         } else if st.cancelled {
@@ -526,6 +573,66 @@ impl Driver {
             }
         } else {
             self.complete(req, st, Ok(()));
+        }
+    }
+
+    /// Done means delivered (rule 6): on rails that order a read after writes, one 1-byte
+    /// read of the destination per rail the post wrote on; its completion shows every
+    /// earlier write to that peer landed. The reads are queued (posted by `post_flushes`)
+    /// and counted as outstanding now, so the post cannot finish before them. Returns
+    /// whether any was queued.
+    fn queue_flushes(&mut self, req: &Arc<Request>, st: &mut ReqState) -> bool {
+        let mut queued = false;
+        for rail in 0..self.rails.len() {
+            if st.unflushed & (1 << rail) != 0 {
+                st.outstanding += 1;
+                self.flushes.push_back((req.clone(), st.epoch, rail));
+                queued = true;
+            }
+        }
+        st.unflushed = 0;
+        queued
+    }
+
+    fn post_flushes(&mut self) {
+        while let Some((req, epoch, rail)) = self.flushes.front().cloned() {
+            let mut st = req.state();
+            if st.epoch != epoch || st.phase != Phase::Data {
+                self.flushes.pop_front();
+                continue;
+            }
+            let target = req.peer().map(|p| p.id).zip(req.segs.iter().find(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)).copied());
+            let res = match target {
+                Some((peer_id, s)) => self.conn_addr(peer_id, rail, s.rrail as usize).and_then(|dest| {
+                    let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: rail as u16, len: 0 });
+                    let r = self.rails[rail].read(self.flush_buf.as_mut_ptr(), 1, self.flush_mrs[rail].desc, dest, s.raddr, s.rkey, ctx, false);
+                    if !matches!(r, Ok(Posted::Ok)) {
+                        self.ops.release(ctx);
+                    }
+                    r
+                }),
+                None => Err(Error::Backend("flush read without a segment on its rail".into())),
+            };
+            match res {
+                Ok(Posted::Ok) => {
+                    self.flushes.pop_front();
+                    st.inflight_total += 1;
+                    self.inflight[rail] += 1;
+                    add(&self.core.counters.ops_posted, 1);
+                }
+                Ok(Posted::Again) => {
+                    add(&self.core.counters.retries, 1);
+                    break;
+                }
+                Err(e) => {
+                    self.flushes.pop_front();
+                    st.outstanding -= 1;
+                    st.error.get_or_insert(e);
+                    if st.outstanding == 0 {
+                        self.data_done(&req, &mut st);
+                    }
+                }
+            }
         }
     }
 
@@ -748,6 +855,14 @@ impl Driver {
         let timeout = self.core.cfg.timeout();
         let active = std::mem::take(&mut self.active);
         let mut keep = Vec::with_capacity(active.len());
+        // Peers with work in flight get a kick (rate-limited), so a long request keeps
+        // the target polling to its end.
+        let mut kick: Vec<u64> = active.iter().filter_map(|r| r.peer().map(|p| p.id)).collect();
+        kick.sort_unstable();
+        kick.dedup();
+        for id in kick {
+            self.kick(id);
+        }
         for req in active {
             let mut st = req.state();
             if !matches!(st.phase, Phase::Data | Phase::Notif) {
@@ -793,6 +908,7 @@ impl Driver {
             }
         }
         self.to_post.clear();
+        self.flushes.clear();
         self.ctrl_out.clear();
         for (_, s) in self.core.take_submitted().into_iter().enumerate() {
             if let Submit::Post(req) = s {

@@ -545,6 +545,8 @@ impl Engine {
             st.notif = notif;
             st.error = None;
             st.cancelled = false;
+            st.unflushed = 0;
+            st.flushing = false;
             st.phase = Phase::Data;
             st.last_progress = Instant::now();
             req.set_status(Status::NF_IN_PROG);
@@ -644,7 +646,7 @@ impl Engine {
         let mut d = self.lock_driver();
         // Give queued control messages (a last notification) a brief, bounded chance.
         let deadline = Instant::now() + Duration::from_millis(200);
-        while d.pass() && Instant::now() < deadline {}
+        while d.pass().pending && Instant::now() < deadline {}
         d.cancel_all();
         drop(CloseQueue::close(&self.core.closeq));
         log::info!("{}: engine shut down", self.core.name);

@@ -2,17 +2,20 @@
 //! pause while work is outstanding, and when idle sleeps on the CQ wait fds (where the
 //! provider offers them) and the engine's wake-up eventfd, bounded by the idle delay.
 use super::core::Core;
-use super::driver::{Driver, Idle};
+use super::driver::{Driver, Idle, Pass};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long the thread keeps polling after the last pass that did something: traffic comes
-/// in bursts, and a napping target delays every step of a peer's RMA by its nap.
+/// After the last pass that did something the thread keeps polling this long: traffic
+/// comes in bursts, and a nap delays every step of a peer's RMA.
 const SPIN_WINDOW: Duration = Duration::from_millis(20);
+/// Passes right after activity that only yield the core instead of sleeping.
+const YIELD_PASSES: u32 = 32;
+
 /// First sleep of an idle thread, in µs; sleeps double from here.
-const MIN_NAP_US: u64 = 20;
+const MIN_NAP_US: u64 = 10;
 /// Longest sleep of an idle thread when the agent gives no pthrDelay.
 const DEFAULT_IDLE_US: u64 = 1000;
 
@@ -23,33 +26,45 @@ pub fn spawn(core: Arc<Core>, driver: Arc<Mutex<Driver>>, stop: Arc<AtomicBool>)
 }
 
 fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
+    // Naps are short; without this the kernel stretches each by its default 50 µs slack.
+    // SAFETY: prctl with PR_SET_TIMERSLACK takes an integer and touches no memory.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0, 0, 0) };
     let idle_us = match core.cfg.progress_delay_us {
         0 => DEFAULT_IDLE_US,
         us => us.max(MIN_NAP_US),
     };
-    let mut last_busy = Instant::now();
-    let mut nap = MIN_NAP_US / 2;
+    let mut last_work = Instant::now();
+    let mut quiet = 0u32;
+    let mut nap = MIN_NAP_US;
     while !stop.load(Ordering::Acquire) {
-        let busy = {
+        let pass = {
             let mut d = driver.lock().unwrap_or_else(|p| p.into_inner());
             // A panic in a pass must not kill progress for every later request.
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.pass())) {
-                Ok(b) => b,
+                Ok(p) => p,
                 Err(_) => {
                     log::error!("{}: progress pass panicked; continuing", core.name);
-                    true
+                    Pass { did: true, pending: true }
                 }
             }
         };
-        if busy {
-            last_busy = Instant::now();
-            nap = MIN_NAP_US / 2;
+        if pass.did {
+            last_work = Instant::now();
+            quiet = 0;
+            nap = MIN_NAP_US;
             continue;
         }
-        if last_busy.elapsed() < SPIN_WINDOW {
+        quiet += 1;
+        // With work in flight, or right after it, the next event is a peer's and usually
+        // microseconds away: keep polling, yielding the core each pass. Manual-progress
+        // providers also need this on a target, since inbound RMA raises no fd event.
+        let recent = pass.pending || last_work.elapsed() < SPIN_WINDOW;
+        if quiet < YIELD_PASSES || recent {
             std::thread::yield_now();
             continue;
         }
+        // Idle: sleep in doubling naps on the wake eventfd (and CQ fds where they exist).
+        nap = (nap * 2).clamp(MIN_NAP_US, idle_us);
         core.set_sleeping(true);
         if core.has_submitted() || stop.load(Ordering::Acquire) {
             core.set_sleeping(false);
@@ -65,9 +80,6 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
                 continue;
             }
         }
-        // Inbound RMA on manual-progress providers raises no fd event until a completion
-        // exists, so sleeps start short and double up to the idle cap.
-        nap = (nap * 2).clamp(MIN_NAP_US, idle_us);
         let ts = libc::timespec { tv_sec: (nap / 1_000_000) as libc::time_t, tv_nsec: ((nap % 1_000_000) * 1000) as libc::c_long };
         // SAFETY: pfds is a valid array of pollfd and ts a valid timespec for the call.
         unsafe { libc::ppoll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, &ts, std::ptr::null()) };

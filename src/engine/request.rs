@@ -77,6 +77,11 @@ pub struct ReqState {
     pub last_progress: Instant,
     pub phase: Phase,
     pub cancelled: bool,
+    /// Rails this post wrote on without delivery-complete (bit per rail): each gets a
+    /// flush read before the data counts as delivered.
+    pub unflushed: u64,
+    /// The flush reads are out (or were not needed).
+    pub flushing: bool,
 }
 
 pub struct Request {
@@ -109,6 +114,8 @@ impl Request {
                 last_progress: Instant::now(),
                 phase: Phase::Idle,
                 cancelled: false,
+                unflushed: 0,
+                flushing: false,
             }),
             _local: local,
             _remote: remote,

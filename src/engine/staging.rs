@@ -301,7 +301,7 @@ impl Driver {
         let deadline = Instant::now() + self.core.cfg.timeout();
         loop {
             let ctx = self.ops.alloc(OpKind::StageRma { token, serve: false });
-            let r = if write { self.rails[rail].write(ptr, len, desc, dest, raddr, rkey, ctx, false) } else { self.rails[rail].read(ptr, len, desc, dest, raddr, rkey, ctx, false) };
+            let r = if write { self.rails[rail].write(ptr, len, desc, dest, raddr, rkey, ctx, false, true) } else { self.rails[rail].read(ptr, len, desc, dest, raddr, rkey, ctx, false) };
             match r {
                 Ok(Posted::Ok) => return Ok(()),
                 Ok(Posted::Again) => {
@@ -523,7 +523,7 @@ impl Driver {
         let (ptr, desc) = (pool.slot_ptr(slot), pool.mrs[0].desc);
         let ctx = self.ops.alloc(OpKind::StageRma { token: id, serve: true });
         let r = if write {
-            self.rails[0].write(ptr, st.len as usize, desc, dest, st.peer_addr, st.peer_key, ctx, false)
+            self.rails[0].write(ptr, st.len as usize, desc, dest, st.peer_addr, st.peer_key, ctx, false, true)
         } else {
             self.rails[0].read(ptr, st.len as usize, desc, dest, st.peer_addr, st.peer_key, ctx, false)
         };

@@ -75,6 +75,12 @@ impl Drop for InfoList {
 /// Hints asking for an RDM endpoint with RMA and messages, and the mr_mode bits we can
 /// honour, so the provider picks its own preferred mode among them.
 fn getinfo(prov: &str, delivery_complete: bool, hmem: bool) -> Result<InfoList> {
+    getinfo_ordered(prov, delivery_complete, hmem, false)
+}
+
+/// `raw`: also ask that reads be ordered after earlier writes (FI_ORDER_RAW), which lets
+/// the engine confirm delivery with one small read instead of delivery-complete writes.
+fn getinfo_ordered(prov: &str, delivery_complete: bool, hmem: bool, raw: bool) -> Result<InfoList> {
     // SAFETY: fi_allocinfo returns a zeroed info with allocated sub-attributes (or NULL).
     let hints = unsafe { sys::nf_fi_allocinfo() };
     if hints.is_null() {
@@ -101,6 +107,9 @@ fn getinfo(prov: &str, delivery_complete: bool, hmem: bool) -> Result<InfoList> 
         d.av_type = sys::fi_av_type_FI_AV_TABLE;
         if delivery_complete {
             (*h.tx_attr).op_flags = sys::FI_DELIVERY_COMPLETE as u64;
+        }
+        if raw {
+            (*h.tx_attr).msg_order = (sys::FI_ORDER_RAW | sys::FI_ORDER_SAS) as u64;
         }
         (*h.fabric_attr).prov_name = libc::strdup(cprov.as_ptr());
     }
@@ -133,17 +142,22 @@ fn describe(p: *mut sys::fi_info) -> (String, String, String, u32) {
 /// can register device memory are picked in that mode; without it, or where the provider
 /// cannot, rails are plain and device memory is staged.
 pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
-    let wanted: Vec<String> =
-        cfg.iface.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    // shm has one domain and no interfaces: an interface list (often set for the network
+    // providers, e.g. NIXL_FABRIC_IFACE=lo) does not apply to it.
+    let wanted: Vec<String> = if cfg.provider == "shm" {
+        Vec::new()
+    } else {
+        cfg.iface.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
+    };
     let mut last_err = None;
     for prov in provider_candidates(&cfg.provider) {
-        let modes: &[(bool, bool)] = if want_hmem {
-            &[(true, true), (true, false), (false, true), (false, false)]
+        let modes: &[(bool, bool, bool)] = if want_hmem {
+            &[(true, true, true), (true, true, false), (true, false, false), (false, true, true), (false, true, false), (false, false, false)]
         } else {
-            &[(false, true), (false, false)]
+            &[(false, true, true), (false, true, false), (false, false, false)]
         };
-        for &(hmem, dc) in modes {
-            let list = match getinfo(prov, dc, hmem) {
+        for &(hmem, dc, raw) in modes {
+            let list = match getinfo_ordered(prov, dc, hmem, raw) {
                 Ok(l) => l,
                 Err(e) => {
                     last_err = Some(Error::NotFound(format!("provider '{prov}' is not available: {e}")));

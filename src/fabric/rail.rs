@@ -23,6 +23,9 @@ pub struct RailCaps {
     pub tx_size: usize,
     pub rx_size: usize,
     pub delivery_complete: bool,
+    /// The provider orders a read after earlier writes to the same peer (FI_ORDER_RAW), so
+    /// a small read can stand in for delivery-complete writes.
+    pub order_raw: bool,
     pub cq_data_size: usize,
     pub needs_context: bool,
     pub hmem: bool,
@@ -129,6 +132,7 @@ impl Rail {
                 tx_size: tx.size.max(1),
                 rx_size: rx.size.max(1),
                 delivery_complete: spec.delivery_complete,
+                order_raw: flag(tx.msg_order, sys::FI_ORDER_RAW as u64),
                 cq_data_size: d.cq_data_size,
                 needs_context: flag(i.mode, (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64),
                 hmem: flag(i.caps, sys::FI_HMEM),
@@ -152,9 +156,9 @@ impl Rail {
         let name = ep.name(index)?;
         log::info!(
             "{owner}: rail {index}: provider {} domain {} fabric {} mr_local={} virt_addr={} prov_key={} \
-             inject={} tx={} rx={} delivery_complete={} cq_data={} context={} hmem={} wait_fd={}",
+             inject={} tx={} rx={} delivery_complete={} order_raw={} cq_data={} context={} hmem={} wait_fd={}",
             caps.prov_name, caps.domain_name, spec.fabric_name, caps.mr_local, caps.virt_addr,
-            caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete,
+            caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
         Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, _spec: spec })
@@ -194,8 +198,9 @@ impl Rail {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn rma(&self, write: bool, local: *mut u8, len: usize, desc: *mut c_void, dest: FiAddr,
-           raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
+           raddr: u64, rkey: u64, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
         let mut iov = libc::iovec { iov_base: local as *mut c_void, iov_len: len };
         let mut d = desc;
         let mut rma = sys::fi_rma_iov { addr: raddr, len, key: rkey };
@@ -210,7 +215,7 @@ impl Rail {
             data: 0,
         };
         let mut flags = sys::FI_COMPLETION as u64;
-        if write && self.caps.delivery_complete {
+        if write && dc && self.caps.delivery_complete {
             flags |= sys::FI_DELIVERY_COMPLETE as u64;
         }
 
@@ -236,13 +241,14 @@ impl Rail {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn write(&self, local: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
-        self.rma(true, local as *mut u8, len, desc, dest, raddr, rkey, ctx, more)
+    /// `dc`: ask for delivery-complete (else transmit-complete, and the caller flushes).
+    pub fn write(&self, local: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
+        self.rma(true, local as *mut u8, len, desc, dest, raddr, rkey, ctx, more, dc)
     }
 
     #[allow(clippy::too_many_arguments)]
     pub fn read(&self, local: *mut u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
-        self.rma(false, local, len, desc, dest, raddr, rkey, ctx, more)
+        self.rma(false, local, len, desc, dest, raddr, rkey, ctx, more, false)
     }
 
     pub fn send(&self, buf: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
