@@ -898,8 +898,13 @@ impl Driver {
         Idle::Fds(fds)
     }
 
-    /// Fails everything still queued or in flight (engine teardown).
+    /// Fails everything still queued or in flight and forgets every peer's addresses
+    /// (engine teardown: closing an endpoint with peers still in its AV has crashed shm).
     pub fn cancel_all(&mut self) {
+        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        for id in ids {
+            self.disconnect(id);
+        }
         let active = std::mem::take(&mut self.active);
         for req in &active {
             let mut st = req.state();
