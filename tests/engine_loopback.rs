@@ -12,6 +12,7 @@ fn cfg(provider: &str, thread: bool) -> Config {
         c.set("iface", "lo").unwrap();
     }
     c.set("progress_thread", if thread { "true" } else { "false" }).unwrap();
+    c.set("same_host_shm", "false").unwrap();
     c
 }
 

@@ -14,6 +14,8 @@ fn cfg(thread: bool, timeout_ms: u64) -> Config {
     c.set("iface", "lo").unwrap();
     c.progress_thread = thread;
     c.timeout_ms = timeout_ms;
+    // These tests are about the network provider; same-host shm would route around it.
+    c.same_host_shm = false;
     c
 }
 
@@ -92,6 +94,7 @@ fn write_req(e: &Engine, peer: &str, src: &[u8], lm: &Arc<LocalMem>, raddr: u64,
 fn dead_peer_fails_in_flight_and_later_requests_then_a_restart_works() {
     const SIZE: usize = 256 << 20;
     const PIECE: usize = 32 << 20;
+    nixl_fabric::logging::init();
     let timeout_ms = 2000;
     let e = Engine::new("survivor", cfg(true, timeout_ms)).unwrap();
     let src = vec![5u8; SIZE];

@@ -443,7 +443,15 @@ impl Driver {
     }
 
     fn post_pending(&mut self) {
+        // A queue that stays full toward one peer (a dead one keeps answering FI_EAGAIN)
+        // must not hold up the others: a blocked request goes to the back, and each
+        // request is looked at once per pass.
+        let mut budget = self.to_post.len();
         while let Some(req) = self.to_post.front().cloned() {
+            if budget == 0 {
+                break;
+            }
+            budget -= 1;
             let peer_id = req.peer().map_or(0, |p| p.id);
             let mut st = req.state();
             if st.phase != Phase::Data {
@@ -533,7 +541,10 @@ impl Driver {
                     self.data_done(&req, &mut st);
                 }
             } else if blocked {
-                break;
+                drop(st);
+                if let Some(r) = self.to_post.pop_front() {
+                    self.to_post.push_back(r);
+                }
             }
         }
     }
@@ -595,7 +606,12 @@ impl Driver {
     }
 
     fn post_flushes(&mut self) {
+        let mut budget = self.flushes.len();
         while let Some((req, epoch, rail)) = self.flushes.front().cloned() {
+            if budget == 0 {
+                break;
+            }
+            budget -= 1;
             let mut st = req.state();
             if st.epoch != epoch || st.phase != Phase::Data {
                 self.flushes.pop_front();
@@ -621,8 +637,11 @@ impl Driver {
                     add(&self.core.counters.ops_posted, 1);
                 }
                 Ok(Posted::Again) => {
+                    // Try the others first (see post_pending).
                     add(&self.core.counters.retries, 1);
-                    break;
+                    if let Some(f) = self.flushes.pop_front() {
+                        self.flushes.push_back(f);
+                    }
                 }
                 Err(e) => {
                     self.flushes.pop_front();
