@@ -71,6 +71,17 @@ struct Initiator {
 const SEND_BUFFERS: usize = 32;
 const POLL_BATCH: usize = 64;
 
+/// A provider flushes operations it can no longer complete (the connection died) as
+/// canceled; only the owner cancels on purpose, so any other cancel is a lost peer.
+fn flushed_as_disconnect(e: Error, cancelled_by_owner: bool) -> Error {
+    match e {
+        Error::Completion { errno, .. } if errno == libc::ECANCELED && !cancelled_by_owner => {
+            Error::Disconnected(format!("{e} (flushed by the provider: connection lost)"))
+        }
+        e => e,
+    }
+}
+
 /// What one pass did.
 #[derive(Clone, Copy, Debug)]
 pub struct Pass {
@@ -775,14 +786,7 @@ impl Driver {
                     }
                     Some(e) => {
                         add(&self.core.counters.ops_failed, 1);
-                        // A provider flushes operations it can no longer complete (the
-                        // connection died) as canceled; only the owner cancels on purpose.
-                        let e = match e {
-                            Error::Completion { errno, .. } if errno == libc::ECANCELED && !st.cancelled => {
-                                Error::Disconnected(format!("{e} (flushed by the provider: connection lost)"))
-                            }
-                            e => e,
-                        };
+                        let e = flushed_as_disconnect(e, st.cancelled);
                         st.error.get_or_insert(e);
                         st.next = req.segs.len();
                     }
@@ -799,7 +803,11 @@ impl Driver {
                 if let Some((req, epoch)) = req {
                     let mut st = req.state();
                     if st.epoch == epoch && st.phase == Phase::Notif {
-                        self.complete(&req, &mut st, err.map_or(Ok(()), Err));
+                        let res = match err {
+                            None => Ok(()),
+                            Some(e) => Err(flushed_as_disconnect(e, st.cancelled)),
+                        };
+                        self.complete(&req, &mut st, res);
                     }
                 } else if let Some(e) = err {
                     log::error!("{}: control message failed: {e}", self.core.name);
