@@ -910,6 +910,11 @@ impl Driver {
         self.active = keep;
     }
 
+    /// Requests, control messages, flush reads or staging chunks are still queued or in flight.
+    pub fn has_pending(&self) -> bool {
+        !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty() || !self.flushes.is_empty() || !self.staging.idle()
+    }
+
     /// Whether the thread may sleep now, and on which CQ fds.
     pub fn idle_fds(&self) -> Idle {
         let mut fds = Vec::with_capacity(self.rails.len());

@@ -646,7 +646,11 @@ impl Engine {
         let mut d = self.lock_driver();
         // Give queued control messages (a last notification) a brief, bounded chance.
         let deadline = Instant::now() + Duration::from_millis(200);
-        while d.pass().pending && Instant::now() < deadline {}
+        // (Only while something is queued: a last CQ read after a same-process shm peer
+        // was destroyed has crashed inside libfabric's shm provider.)
+        while d.has_pending() && Instant::now() < deadline {
+            d.pass();
+        }
         d.cancel_all();
         drop(CloseQueue::close(&self.core.closeq));
         log::info!("{}: engine shut down", self.core.name);
