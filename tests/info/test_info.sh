@@ -181,10 +181,12 @@ while IFS=$'\t' read -r k def; do
 done < <(sed -E "s/$row/\\1\t\\3/" "$TMP/rows")
 if [ -z "$rejected" ]; then ok "every key accepted with its default value ($nrows runs)"; else bad "keys rejected with their defaults:$rejected"; fi
 # The same keys and defaults as the plugin reports to the agent (get_backend_options).
+# The plugin reports the effective defaults (environment applied), so compare with no
+# NIXL_FABRIC_* variables set.
 if [ -n "${PY:-}" ] && [ -x "$PY" ]; then
     plugdir=${NIXL_PLUGIN_DIR:-$ROOT/build/plugins}
     if [ -f "$plugdir/libplugin_${NF_BACKEND:-LIBFABRIC}.so" ]; then
-        NIXL_PLUGIN_DIR=$plugdir timeout -k 5 "$T" "$PY" - "${NF_BACKEND:-LIBFABRIC}" >"$TMP/plug.txt" 2>"$TMP/plug.err" <<'EOF'
+        env $(env | sed -n 's/^\(NIXL_FABRIC_[A-Z_]*\)=.*/-u \1/p') NIXL_PLUGIN_DIR=$plugdir timeout -k 5 "$T" "$PY" - "${NF_BACKEND:-LIBFABRIC}" >"$TMP/plug.txt" 2>"$TMP/plug.err" <<'EOF'
 import sys
 from nixl_cu12._api import nixl_agent, nixl_agent_config
 a = nixl_agent("info-test", nixl_agent_config(backends=[]))
