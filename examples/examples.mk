@@ -22,7 +22,7 @@ examples-test: build venv
 	@mkdir -p $(BUILD)
 	@libs=$(EXAMPLES_CAPI_LIBS); \
 	test -f "$$libs/libnixl_capi.so" || { echo "examples-test: libnixl_capi.so not found in $(VENV) (make venv)"; exit 1; }; \
-	$(CC) -std=c11 -O2 -g -Wall -Wextra -Werror -o $(TRTLLM_FLOW_BIN) $(TRTLLM_FLOW_SRC) \
+	$(CC) -std=c11 -O2 -g -Wall -Wextra -Werror -I$(ROOT)/plugin_tests -o $(TRTLLM_FLOW_BIN) $(TRTLLM_FLOW_SRC) \
 	  -L"$$libs" -lnixl_capi -Wl,-rpath,"$$libs"
 	@test -f $(PLUGINS)/libplugin_$(BACKEND).so || { echo "examples-test: $(PLUGINS)/libplugin_$(BACKEND).so missing (make build)"; exit 1; }
 	@: > $(EXAMPLES_LOG); rc=0; \
