@@ -51,6 +51,8 @@ tunables! {
         "number of rails (endpoints); 0 = one per matching domain (tcp/sockets: one); more than the domains cycles over them";
     progress_thread: bool = Bool, "true", "NIXL_FABRIC_PROGRESS_THREAD",
         "run a progress thread; off means progress happens in check/notification calls";
+    caller_progress: bool = Bool, "true", "NIXL_FABRIC_CALLER_PROGRESS",
+        "with the progress thread on, a status check of a running request also makes a progress pass on the caller's thread when the rails are free (not while CUDA contexts are registered); the thread naps while callers do this";
     progress_delay_us: u64 = U64, "0", "NIXL_FABRIC_PROGRESS_DELAY_US",
         "longest sleep of an idle progress thread between passes (the agent's pthrDelay); 0 = 1000";
     striping_threshold: u64 = Size, "1048576", "NIXL_FABRIC_STRIPING_THRESHOLD",
@@ -63,6 +65,8 @@ tunables! {
         "receive buffers pre-posted on rail 0 for control messages";
     max_inflight: u64 = U64, "1024", "NIXL_FABRIC_MAX_INFLIGHT",
         "most RMA operations outstanding per rail (also capped by the provider's queue size)";
+    rma_batch: u64 = U64, "4", "NIXL_FABRIC_RMA_BATCH",
+        "most descriptors one RMA operation carries where the provider's iov limits allow (up to 8); 1 posts one operation per descriptor";
     same_host_shm: bool = Bool, "true", "NIXL_FABRIC_SAME_HOST_SHM",
         "peers on the same host (same boot id) exchange data over an extra shm rail instead of the network rails";
     staging_buffer_size: u64 = Size, "67108864", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
@@ -157,12 +161,14 @@ impl Config {
             iface: String::new(),
             rails: 0,
             progress_thread: true,
+            caller_progress: true,
             progress_delay_us: 0,
             striping_threshold: 0,
             timeout_ms: 0,
             max_notif_size: 0,
             ctrl_recv_count: 0,
             max_inflight: 0,
+            rma_batch: 0,
             same_host_shm: true,
             staging_buffer_size: 0,
             staging_chunk_size: 0,

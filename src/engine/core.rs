@@ -5,8 +5,9 @@ use super::driver::Driver;
 use super::registry::SharedCloseQueue;
 use super::request::Request;
 use crate::config::Config;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Work handed to the driver: a post, or any closure that must run where the rails are owned.
 pub enum Submit {
@@ -31,6 +32,9 @@ pub struct Core {
     /// The progress thread is (about to be) asleep and needs a write to `wake_fd`.
     sleeping: AtomicBool,
     pub wake_fd: i32,
+    /// When a caller last made a progress pass itself (ns since `born`; 0 = never).
+    caller_pass_ns: AtomicU64,
+    born: Instant,
 }
 
 impl Core {
@@ -53,7 +57,20 @@ impl Core {
             pending: AtomicBool::new(false),
             sleeping: AtomicBool::new(false),
             wake_fd,
+            caller_pass_ns: AtomicU64::new(0),
+            born: Instant::now(),
         }
+    }
+
+    pub fn note_caller_pass(&self) {
+        let ns = self.born.elapsed().as_nanos() as u64;
+        self.caller_pass_ns.store(ns.max(1), Ordering::Relaxed);
+    }
+
+    /// Whether a caller made a progress pass within `window`.
+    pub fn caller_passed_within(&self, window: Duration) -> bool {
+        let at = self.caller_pass_ns.load(Ordering::Relaxed);
+        at != 0 && self.born.elapsed().as_nanos() as u64 <= at + window.as_nanos() as u64
     }
 
     pub fn push_notif(&self, sender: String, msg: Vec<u8>) {

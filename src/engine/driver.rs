@@ -10,7 +10,7 @@ use super::request::{Op, Phase, ReqState, Request, SegKind, Target};
 use super::staging::{Staging, Start};
 use super::wire::{self, CtrlType};
 use crate::error::{Error, Result, Status};
-use crate::fabric::{Completion, FiAddr, MemoryRegion, Posted, Rail};
+use crate::fabric::{Completion, FiAddr, MemoryRegion, Posted, Rail, RmaSeg, MAX_RMA_BATCH};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,6 +44,10 @@ impl CtrlBuffers {
 struct Conn {
     peer: Arc<Peer>,
     addrs: Arc<Vec<Vec<Option<FiAddr>>>>,
+    /// Bit r: a completed write on our rail r has reached this peer's memory (RailCaps::
+    /// sync_rma and the peer is reachable by CMA), so it needs neither flush nor
+    /// delivery-complete.
+    sync_rails: u64,
     last_completion: Instant,
     last_kick: Option<Instant>,
 }
@@ -53,6 +57,9 @@ struct Conn {
 /// target no completion to notice; the kick's receive completion does, and keeps the
 /// target's progress thread spinning instead of napping (see progress.rs).
 const KICK_INTERVAL: Duration = Duration::from_millis(5);
+
+/// Largest operation a batch of segments grows to: beyond this, batching saves nothing.
+const MAX_BATCH_BYTES: u64 = 1 << 20;
 
 pub(super) struct CtrlOut {
     pub peer_id: u64,
@@ -119,6 +126,8 @@ pub struct Driver {
     /// orders reads after writes) instead of delivery-complete, which tcp;ofi_rxm answers
     /// only after the target's next progress (milliseconds).
     flush_writes: Vec<bool>,
+    /// Most segments per RMA operation (config rma_batch; the rail's limit applies too).
+    batch_max: usize,
     /// Landing place of flush reads, registered on every rail.
     flush_buf: Box<[u8; 64]>,
     flush_mrs: Vec<MemoryRegion>,
@@ -148,6 +157,7 @@ impl Driver {
         let cap = rails.iter().map(|r| (cfg.max_inflight as usize).min(r.caps.tx_size).max(1)).collect();
         let n = rails.len();
         let flush_writes: Vec<bool> = rails.iter().map(|r| r.caps.order_raw).collect();
+        let batch_max = (cfg.rma_batch as usize).clamp(1, MAX_RMA_BATCH);
         let flush_buf = Box::new([0u8; 64]);
         let mut flush_mrs = Vec::with_capacity(n);
         for r in &rails {
@@ -166,6 +176,7 @@ impl Driver {
             inflight: vec![0; n],
             cap,
             flush_writes,
+            batch_max,
             flush_buf,
             flush_mrs,
             flushes: VecDeque::new(),
@@ -400,7 +411,12 @@ impl Driver {
             )));
         };
         log::info!("{}: connected to agent '{}' ({} local x {} remote rails)", self.core.name, peer.name, self.rails.len(), peer.info.rails.len());
-        self.conns.insert(peer.id, Conn { peer: peer.clone(), addrs: Arc::new(addrs), last_completion: Instant::now(), last_kick: None });
+        let sync_rails = if peer.cma {
+            self.rails.iter().enumerate().filter(|(_, r)| r.caps.sync_rma).fold(0u64, |m, (i, _)| m | 1 << i)
+        } else {
+            0
+        };
+        self.conns.insert(peer.id, Conn { peer: peer.clone(), addrs: Arc::new(addrs), sync_rails, last_completion: Instant::now(), last_kick: None });
         let hello = wire::encode_ctrl(CtrlType::Hello, self.core.engine_id, &self.core.name, &self.core.conn_info);
         self.ctrl_out.push_back(CtrlOut { peer_id: peer.id, dest: ctrl, bytes: hello, req: None });
         Ok(())
@@ -469,7 +485,7 @@ impl Driver {
                 self.to_post.pop_front();
                 continue;
             }
-            let Some(addrs) = self.conns.get(&peer_id).map(|c| c.addrs.clone()) else {
+            let Some((addrs, sync_rails)) = self.conns.get(&peer_id).map(|c| (c.addrs.clone(), c.sync_rails)) else {
                 self.to_post.pop_front();
                 self.fail_data(&req, &mut st, Error::Disconnected("peer was disconnected".into()));
                 continue;
@@ -512,16 +528,34 @@ impl Driver {
                         }
                     }
                 }
-                let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: s.rail, len: s.len });
-                let more = st.next + 1 < req.segs.len();
                 let r = &self.rails[rail];
-                let res = match req.op {
-                    Op::Write => r.write(s.local as *const u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more, !self.flush_writes[rail]),
-                    Op::Read => r.read(s.local as *mut u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more),
+                // The following segments to the same remote rail ride in the same operation,
+                // up to the provider's iov limits: one provider message instead of several
+                // (over tcp one header and socket write per operation).
+                let mut batch = [RmaSeg { local: s.local as *mut u8, len: s.len as usize, desc: s.desc as *mut _, raddr: s.raddr, rkey: s.rkey }; MAX_RMA_BATCH];
+                let (mut n, mut bytes) = (1usize, s.len);
+                let limit = r.caps.rma_batch.min(self.batch_max);
+                while n < limit {
+                    let Some(t) = req.segs.get(st.next + n) else { break };
+                    if t.rail != s.rail || t.rrail != s.rrail || !matches!(t.kind, SegKind::Rma) || bytes + t.len > MAX_BATCH_BYTES {
+                        break;
+                    }
+                    batch[n] = RmaSeg { local: t.local as *mut u8, len: t.len as usize, desc: t.desc as *mut _, raddr: t.raddr, rkey: t.rkey };
+                    bytes += t.len;
+                    n += 1;
+                }
+                let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: s.rail, len: bytes });
+                let more = st.next + n < req.segs.len();
+                let write = req.op == Op::Write;
+                let dc = write && !self.flush_writes[rail] && sync_rails & (1 << rail) == 0;
+                let res = match (n, req.op) {
+                    (1, Op::Write) => r.write(s.local as *const u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more, dc),
+                    (1, Op::Read) => r.read(s.local as *mut u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more),
+                    _ => r.rma_batch(write, &batch[..n], dest, ctx, more, dc),
                 };
                 match res {
                     Ok(Posted::Ok) => {
-                        st.next += 1;
+                        st.next += n;
                         st.outstanding += 1;
                         st.inflight_total += 1;
                         self.inflight[rail] += 1;

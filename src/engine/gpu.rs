@@ -87,6 +87,10 @@ impl GpuRegistry {
         self.version.load(Ordering::Acquire)
     }
 
+    pub fn has_contexts(&self) -> bool {
+        !self.contexts.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    }
+
     pub fn contexts(&self) -> Vec<cuda::Context> {
         self.contexts.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(c, _)| *c).collect()
     }

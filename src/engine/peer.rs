@@ -21,12 +21,14 @@ pub struct Peer {
     /// The rail pairs data to this peer uses (the shm pair alone for a same-host peer).
     pub route: Vec<RoutePair>,
     pub same_host: bool,
+    /// This process may read and write the peer's memory directly (cma::reachable).
+    pub cma: bool,
     disconnected: AtomicBool,
 }
 
 impl Peer {
-    pub fn new(id: u64, name: &str, info: ConnInfo, raw: Vec<u8>, route: Vec<RoutePair>, same_host: bool) -> Peer {
-        Peer { id, name: name.to_string(), info, raw, route, same_host, disconnected: AtomicBool::new(false) }
+    pub fn new(id: u64, name: &str, info: ConnInfo, raw: Vec<u8>, route: Vec<RoutePair>, same_host: bool, cma: bool) -> Peer {
+        Peer { id, name: name.to_string(), info, raw, route, same_host, cma, disconnected: AtomicBool::new(false) }
     }
     pub fn is_disconnected(&self) -> bool {
         self.disconnected.load(Ordering::Acquire)

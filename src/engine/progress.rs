@@ -18,6 +18,11 @@ const YIELD_PASSES: u32 = 32;
 const MIN_NAP_US: u64 = 10;
 /// Longest sleep of an idle thread when the agent gives no pthrDelay.
 const DEFAULT_IDLE_US: u64 = 1000;
+/// While a caller polls and makes the passes itself (Engine::check), the thread stays off
+/// the cores: on a small host a third spinning thread is what delays the peer's progress
+/// thread, and with it every manual-progress RMA, by a scheduler tick.
+const CALLER_WINDOW: Duration = Duration::from_millis(1);
+const CALLER_NAP: Duration = Duration::from_micros(200);
 
 pub fn spawn(core: Arc<Core>, driver: Arc<Mutex<Driver>>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
@@ -37,6 +42,11 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
     let mut quiet = 0u32;
     let mut nap = MIN_NAP_US;
     while !stop.load(Ordering::Acquire) {
+        if core.caller_passed_within(CALLER_WINDOW) {
+            std::thread::sleep(CALLER_NAP);
+            last_work = Instant::now();
+            continue;
+        }
         let pass = {
             let mut d = driver.lock().unwrap_or_else(|p| p.into_inner());
             // A panic in a pass must not kill progress for every later request.

@@ -72,6 +72,18 @@ pub struct RailAddr {
     pub addr: Vec<u8>,
 }
 
+/// Where a same-host peer can check that it may reach this process's memory directly
+/// (cross-memory attach): the process id and the address of a random token to read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    pub token_addr: u64,
+    pub token: [u8; 16],
+}
+
+/// Connection-info flag: a ProcessInfo block follows the rails.
+const CONN_FLAG_PROCESS: u16 = 1;
+
 /// Everything a peer needs to reach an engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConnInfo {
@@ -79,15 +91,20 @@ pub struct ConnInfo {
     pub host_id: [u8; 16],
     pub agent: String,
     pub rails: Vec<RailAddr>,
+    pub process: Option<ProcessInfo>,
 }
 
 impl ConnInfo {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
-        w.bytes(CONN_MAGIC).u16(CONN_VERSION).u16(0).u64(self.engine_id).bytes(&self.host_id);
+        let flags = if self.process.is_some() { CONN_FLAG_PROCESS } else { 0 };
+        w.bytes(CONN_MAGIC).u16(CONN_VERSION).u16(flags).u64(self.engine_id).bytes(&self.host_id);
         w.short(self.agent.as_bytes()).u16(self.rails.len() as u16);
         for r in &self.rails {
             w.short(r.provider.as_bytes()).short(&r.addr);
+        }
+        if let Some(p) = &self.process {
+            w.u32(p.pid).u64(p.token_addr).bytes(&p.token);
         }
         w.0
     }
@@ -99,7 +116,8 @@ impl ConnInfo {
         if v != CONN_VERSION {
             return Err(Error::Version { what: "connection info", ours: CONN_VERSION, theirs: v });
         }
-        let _flags = r.u16("flags")?;
+        // Bits we do not know are ignored (a newer peer's optional fields come last).
+        let flags = r.u16("flags")?;
         let engine_id = r.u64("engine id")?;
         let host_id: [u8; 16] = r.take(16, "host id")?.try_into().expect("16");
         let agent = utf8(r.short("agent name", MAX_NAME_LEN)?, "connection info", "agent name")?;
@@ -116,8 +134,16 @@ impl ConnInfo {
             }
             rails.push(RailAddr { provider, addr });
         }
+        let process = if flags & CONN_FLAG_PROCESS != 0 {
+            let pid = r.u32("process id")?;
+            let token_addr = r.u64("token address")?;
+            let token: [u8; 16] = r.take(16, "token")?.try_into().expect("16");
+            Some(ProcessInfo { pid, token_addr, token })
+        } else {
+            None
+        };
         r.finish()?;
-        Ok(ConnInfo { engine_id, host_id, agent, rails })
+        Ok(ConnInfo { engine_id, host_id, agent, rails, process })
     }
 }
 
@@ -324,7 +350,22 @@ mod tests {
             host_id: [3; 16],
             agent: "a".into(),
             rails: vec![RailAddr { provider: "tcp;ofi_rxm".into(), addr: vec![1, 2, 3] }],
+            process: Some(ProcessInfo { pid: 42, token_addr: 0x7f00_0000_1000, token: [9; 16] }),
         }
+    }
+
+    #[test]
+    fn conn_without_process_block_and_unknown_flags() {
+        let mut c = conn();
+        c.process = None;
+        let b = c.encode();
+        assert_eq!(ConnInfo::decode(&b).unwrap(), c);
+        let mut other = b.clone();
+        other[6] = 0x02; // flags, low byte: a bit we do not know
+        assert_eq!(ConnInfo::decode(&other).unwrap(), c);
+        let mut claims = b.clone();
+        claims[6] = 0x01; // says a process block follows, but none does
+        assert!(ConnInfo::decode(&claims).is_err());
     }
 
     #[test]

@@ -151,10 +151,15 @@ pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
     };
     let mut last_err = None;
     for prov in provider_candidates(&cfg.provider) {
-        let modes: &[(bool, bool, bool)] = if want_hmem {
-            &[(true, true, true), (true, true, false), (true, false, false), (false, true, true), (false, true, false), (false, false, false)]
-        } else {
-            &[(false, true, true), (false, true, false), (false, false, false)]
+        // libfabric 1.x's shm copies in the posting call when the domain asks for no RMA
+        // ordering and no delivery-complete (its fast RMA, see RailCaps::sync_rma); the
+        // other shm modes route every operation through the peer's progress.
+        let shm_fast = prov == "shm" && library_major() == 1;
+        let modes: &[(bool, bool, bool)] = match (want_hmem, shm_fast) {
+            (true, false) => &[(true, true, true), (true, true, false), (true, false, false), (false, true, true), (false, true, false), (false, false, false)],
+            (true, true) => &[(true, true, true), (true, true, false), (true, false, false), (false, false, false), (false, true, true), (false, true, false)],
+            (false, false) => &[(false, true, true), (false, true, false), (false, false, false)],
+            (false, true) => &[(false, false, false), (false, true, true), (false, true, false)],
         };
         for &(hmem, dc, raw) in modes {
             let list = match getinfo_ordered(prov, dc, hmem, raw) {
@@ -208,6 +213,11 @@ pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
         }
     }
     Err(last_err.unwrap_or_else(|| Error::NotFound(format!("no provider for '{}'", cfg.provider))))
+}
+
+fn library_major() -> u32 {
+    // SAFETY: fi_version takes no arguments and only reads constants.
+    unsafe { sys::fi_version() >> 16 }
 }
 
 /// What `nixl-fabric-info` prints for one provider entry.

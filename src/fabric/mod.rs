@@ -7,7 +7,7 @@ mod resources;
 mod rail;
 
 pub use info::{discover, provider_list, ProviderSummary, RailSpec};
-pub use rail::{Completion, CqError, MemoryRegion, Posted, Rail, RailCaps};
+pub use rail::{Completion, CqError, MemoryRegion, Posted, Rail, RailCaps, RmaSeg, MAX_RMA_BATCH};
 
 /// libfabric's address handle of a peer endpoint in one rail's address vector.
 pub type FiAddr = u64;

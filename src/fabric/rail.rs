@@ -26,6 +26,17 @@ pub struct RailCaps {
     /// The provider orders a read after earlier writes to the same peer (FI_ORDER_RAW), so
     /// a small read can stand in for delivery-complete writes.
     pub order_raw: bool,
+    /// RMA on this rail completes only once the data has moved, provided the kernel lets
+    /// this process reach the peer's memory directly (cross-memory attach, CMA): the shm
+    /// provider of libfabric 1.x then copies in the posting call itself ("fast RMA",
+    /// chosen for a domain without RMA ordering whose keys are virtual addresses, and for
+    /// an endpoint without FI_HMEM). Where CMA does not reach a peer the provider queues
+    /// small writes and completes them at once, so writes to that peer ask for
+    /// delivery-complete per operation (shm honours the flag per call).
+    pub sync_rma: bool,
+    /// Most (local, remote) segment pairs one RMA operation may carry: the provider's
+    /// iov and rma_iov limits (1 where shm's fast RMA needs a single remote segment).
+    pub rma_batch: usize,
     pub cq_data_size: usize,
     pub needs_context: bool,
     pub hmem: bool,
@@ -106,6 +117,44 @@ fn flag(v: u64, f: u64) -> bool {
     v & f != 0
 }
 
+/// Most segments one RMA operation carries (the arrays below are on the stack).
+pub const MAX_RMA_BATCH: usize = 8;
+
+/// One segment of a batched RMA: our buffer and MR descriptor, and the peer's range.
+#[derive(Clone, Copy)]
+pub struct RmaSeg {
+    pub local: *mut u8,
+    pub len: usize,
+    pub desc: *mut c_void,
+    pub raddr: u64,
+    pub rkey: u64,
+}
+
+/// Every ordering bit that involves RMA: asking for any of them turns shm's fast RMA off.
+const RMA_ORDER_BITS: u64 = (sys::FI_ORDER_RAR | sys::FI_ORDER_RAW | sys::FI_ORDER_RAS | sys::FI_ORDER_WAR
+    | sys::FI_ORDER_WAW | sys::FI_ORDER_WAS | sys::FI_ORDER_SAR | sys::FI_ORDER_SAW) as u64
+    | sys::FI_ORDER_RMA_RAR | sys::FI_ORDER_RMA_RAW | sys::FI_ORDER_RMA_WAR | sys::FI_ORDER_RMA_WAW
+    | sys::FI_ORDER_ATOMIC_RAR | sys::FI_ORDER_ATOMIC_RAW | sys::FI_ORDER_ATOMIC_WAR | sys::FI_ORDER_ATOMIC_WAW;
+
+/// Whether this entry is the shm provider's fast-RMA mode (see RailCaps::sync_rma). The
+/// rules are those of libfabric 1.x's shm; 2.x changed that provider, so it is not assumed.
+fn shm_fast_rma(prov: &str, mr_mode: u64, msg_order: u64, caps: u64, op_flags: u64) -> bool {
+    // SAFETY: fi_version takes no arguments and only reads constants.
+    let major = unsafe { sys::fi_version() } >> 16;
+    prov == "shm"
+        && major == 1
+        && flag(mr_mode, sys::FI_MR_VIRT_ADDR as u64)
+        && msg_order & RMA_ORDER_BITS == 0
+        && !flag(caps, sys::FI_HMEM)
+        && !flag(op_flags, sys::FI_DELIVERY_COMPLETE as u64)
+        && !env_true("FI_SHM_DISABLE_CMA")
+}
+
+/// libfabric's reading of a boolean parameter from the environment.
+fn env_true(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on" | "y"))
+}
+
 impl Rail {
     /// Opens every object of the rail in dependency order.
     /// `owner` names the agent in log lines.
@@ -133,6 +182,12 @@ impl Rail {
                 rx_size: rx.size.max(1),
                 delivery_complete: spec.delivery_complete,
                 order_raw: flag(tx.msg_order, sys::FI_ORDER_RAW as u64),
+                sync_rma: shm_fast_rma(&spec.prov_name, mr, tx.msg_order, i.caps, tx.op_flags),
+                rma_batch: if shm_fast_rma(&spec.prov_name, mr, tx.msg_order, i.caps, tx.op_flags) {
+                    1
+                } else {
+                    tx.iov_limit.min(tx.rma_iov_limit).clamp(1, MAX_RMA_BATCH)
+                },
                 cq_data_size: d.cq_data_size,
                 needs_context: flag(i.mode, (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64),
                 hmem: flag(i.caps, sys::FI_HMEM),
@@ -156,9 +211,9 @@ impl Rail {
         let name = ep.name(index)?;
         log::info!(
             "{owner}: rail {index}: provider {} domain {} fabric {} mr_local={} virt_addr={} prov_key={} \
-             inject={} tx={} rx={} delivery_complete={} order_raw={} cq_data={} context={} hmem={} wait_fd={}",
+             inject={} tx={} rx={} delivery_complete={} order_raw={} sync_rma={} rma_batch={} cq_data={} context={} hmem={} wait_fd={}",
             caps.prov_name, caps.domain_name, spec.fabric_name, caps.mr_local, caps.virt_addr,
-            caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw,
+            caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw, caps.sync_rma, caps.rma_batch,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
         Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, _spec: spec })
@@ -215,7 +270,8 @@ impl Rail {
             data: 0,
         };
         let mut flags = sys::FI_COMPLETION as u64;
-        if write && dc && self.caps.delivery_complete {
+        // shm takes the flag per operation (see sync_rma); elsewhere only where granted.
+        if write && dc && (self.caps.delivery_complete || self.caps.sync_rma) {
             flags |= sys::FI_DELIVERY_COMPLETE as u64;
         }
 
@@ -224,6 +280,48 @@ impl Rail {
         }
         // SAFETY: msg and the structs it points to live for the call; the provider copies
         // them. The buffer and ctx stay valid until the completion (engine invariant).
+        let ret = unsafe {
+            if write { sys::nf_fi_writemsg(self.ep.raw, &msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, &msg, flags) }
+        };
+        self.posted(ret, if write { "fi_writemsg" } else { "fi_readmsg" })
+    }
+
+    /// One RMA operation over several segments: the provider moves the local iovs, in
+    /// order, into the remote ranges, in order; pairwise equal lengths keep every byte at
+    /// its own segment's address. `segs.len()` must be within 1..=caps.rma_batch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rma_batch(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
+        let n = segs.len();
+        if n == 0 || n > self.caps.rma_batch {
+            return Err(Error::Backend(format!("rail {}: batch of {n} segments (limit {})", self.index, self.caps.rma_batch)));
+        }
+        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_RMA_BATCH];
+        let mut descs = [std::ptr::null_mut::<c_void>(); MAX_RMA_BATCH];
+        let mut rma = [sys::fi_rma_iov { addr: 0, len: 0, key: 0 }; MAX_RMA_BATCH];
+        for (i, s) in segs.iter().enumerate() {
+            iov[i] = libc::iovec { iov_base: s.local as *mut c_void, iov_len: s.len };
+            descs[i] = s.desc;
+            rma[i] = sys::fi_rma_iov { addr: s.raddr, len: s.len, key: s.rkey };
+        }
+        let msg = sys::fi_msg_rma {
+            msg_iov: iov.as_ptr() as *const sys::iovec,
+            desc: descs.as_mut_ptr(),
+            iov_count: n,
+            addr: dest,
+            rma_iov: rma.as_ptr(),
+            rma_iov_count: n,
+            context: ctx,
+            data: 0,
+        };
+        let mut flags = sys::FI_COMPLETION as u64;
+        if write && dc && (self.caps.delivery_complete || self.caps.sync_rma) {
+            flags |= sys::FI_DELIVERY_COMPLETE as u64;
+        }
+        if more {
+            flags |= sys::FI_MORE as u64;
+        }
+        // SAFETY: msg and the arrays it points to live for the call; the provider copies
+        // them. Every buffer and ctx stay valid until the completion (engine invariant).
         let ret = unsafe {
             if write { sys::nf_fi_writemsg(self.ep.raw, &msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, &msg, flags) }
         };
