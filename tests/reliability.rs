@@ -9,13 +9,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn cfg(thread: bool, timeout_ms: u64) -> Config {
+    // These tests are about the network provider; same-host shm would route around it.
+    cfg_with(thread, timeout_ms, false)
+}
+
+/// `shm`: the default configuration's same-host shm rail beside tcp.
+fn cfg_with(thread: bool, timeout_ms: u64, shm: bool) -> Config {
     let mut c = Config::defaults();
     c.set("provider", "tcp").unwrap();
     c.set("iface", "lo").unwrap();
     c.progress_thread = thread;
     c.timeout_ms = timeout_ms;
-    // These tests are about the network provider; same-host shm would route around it.
-    c.same_host_shm = false;
+    c.same_host_shm = shm;
     c
 }
 
@@ -33,7 +38,8 @@ fn unhex(s: &str) -> Vec<u8> {
 fn child_target() {
     let Ok(size) = std::env::var("NF_CHILD_TARGET") else { return };
     let size: usize = size.parse().unwrap();
-    let e = Engine::new("victim", cfg(true, 5000)).unwrap();
+    let shm = std::env::var("NF_CHILD_SHM").is_ok_and(|v| v == "1");
+    let e = Engine::new("victim", cfg_with(true, 5000, shm)).unwrap();
     let buf = vec![0u8; size];
     let m = e.register(buf.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
     let out = format!("READY {} {} {}\n", hex(e.conn_info()), hex(&e.public_data(&m).unwrap()), buf.as_ptr() as u64);
@@ -51,10 +57,11 @@ struct Victim {
     addr: u64,
 }
 
-fn spawn_victim(size: usize) -> Victim {
+fn spawn_victim(size: usize, shm: bool) -> Victim {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child_target", "--nocapture", "--test-threads=1"])
         .env("NF_CHILD_TARGET", size.to_string())
+        .env("NF_CHILD_SHM", if shm { "1" } else { "0" })
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -92,21 +99,34 @@ fn write_req(e: &Engine, peer: &str, src: &[u8], lm: &Arc<LocalMem>, raddr: u64,
 
 #[test]
 fn dead_peer_fails_in_flight_and_later_requests_then_a_restart_works() {
+    dead_peer(false);
+}
+
+/// The same over the default configuration's same-host shm rail (shm's fast RMA: the
+/// copies are ours, so a dead process leaves nothing to complete them; see
+/// Driver::probe_same_host). The bystander is on this host too, on the same shm rail.
+#[test]
+fn dead_same_host_peer_over_shm_fails_fast_and_spares_the_others() {
+    dead_peer(true);
+}
+
+fn dead_peer(shm: bool) {
     const SIZE: usize = 256 << 20;
     const PIECE: usize = 32 << 20;
     nixl_fabric::logging::init();
     let timeout_ms = 2000;
-    let e = Engine::new("survivor", cfg(true, timeout_ms)).unwrap();
+    let cfg = |t| cfg_with(true, t, shm);
+    let e = Engine::new("survivor", cfg(timeout_ms)).unwrap();
     let src = vec![5u8; SIZE];
     let lm = e.register(src.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
     // A second, healthy peer in this process.
-    let other = Engine::new("bystander", cfg(true, timeout_ms)).unwrap();
+    let other = Engine::new("bystander", cfg(timeout_ms)).unwrap();
     let obuf = vec![0u8; 1 << 20];
     let om = other.register(obuf.as_ptr() as u64, obuf.len() as u64, MemKind::Dram, 0).unwrap();
     e.load_conn_info("bystander", other.conn_info()).unwrap();
     let orm = e.load_remote("bystander", &other.public_data(&om).unwrap()).unwrap();
 
-    let mut v = spawn_victim(SIZE);
+    let mut v = spawn_victim(SIZE, shm);
     e.load_conn_info("victim", &v.conn).unwrap();
     let rm = e.load_remote("victim", &v.desc).unwrap();
     let reqs: Vec<_> = (0..SIZE / PIECE).map(|i| write_req(&e, "victim", &src, &lm, v.addr, &rm, PIECE, i * PIECE)).collect();
@@ -127,10 +147,17 @@ fn dead_peer_fails_in_flight_and_later_requests_then_a_restart_works() {
     }
     assert!(killed.elapsed() <= limit, "in-flight requests took {:?} to fail", killed.elapsed());
     // A request posted after the death fails too, within the timeout.
-    let late = write_req(&e, "victim", &src, &lm, v.addr, &rm, 1 << 20, 0);
+    // (A same-host victim may already be known dead, so that preparing fails.)
     let t0 = Instant::now();
-    let s = e.post(&late, None).unwrap();
-    let s = if s == Status::NF_IN_PROG { wait(&e, &late, limit).0 } else { s };
+    let pairs = [Pair { local: (src.as_ptr() as u64, 1 << 20, &lm), remote: (v.addr, 1 << 20, &rm) }];
+    let late = e.prepare(Op::Write, &pairs, "victim");
+    let s = match &late {
+        Err(err) => err.status(),
+        Ok(late) => {
+            let s = e.post(late, None).unwrap();
+            if s == Status::NF_IN_PROG { wait(&e, late, limit).0 } else { s }
+        }
+    };
     assert_eq!(s, Status::NF_ERR_REMOTE_DISCONNECT, "late request after the kill");
     assert!(t0.elapsed() <= limit, "late request took {:?}", t0.elapsed());
     // The engine keeps serving the healthy peer.
@@ -143,7 +170,7 @@ fn dead_peer_fails_in_flight_and_later_requests_then_a_restart_works() {
     }
     drop((late, rm));
     // A restarted peer under the same name is loaded again and used.
-    let mut v2 = spawn_victim(SIZE);
+    let mut v2 = spawn_victim(SIZE, shm);
     e.load_conn_info("victim", &v2.conn).unwrap();
     let rm2 = e.load_remote("victim", &v2.desc).unwrap();
     let again = write_req(&e, "victim", &src, &lm, v2.addr, &rm2, PIECE, 0);

@@ -128,6 +128,10 @@ pub struct Driver {
     flush_writes: Vec<bool>,
     /// Most segments per RMA operation (config rma_batch; the rail's limit applies too).
     batch_max: usize,
+    /// An error completion without a context on a sync_rma rail: shm's fast RMA reports a
+    /// failed copy (a dead peer process) that way, so the next sweep probes same-host
+    /// peers at once.
+    probe_now: bool,
     /// Landing place of flush reads, registered on every rail.
     flush_buf: Box<[u8; 64]>,
     flush_mrs: Vec<MemoryRegion>,
@@ -177,6 +181,7 @@ impl Driver {
             cap,
             flush_writes,
             batch_max,
+            probe_now: false,
             flush_buf,
             flush_mrs,
             flushes: VecDeque::new(),
@@ -435,6 +440,48 @@ impl Driver {
         self.ctrl_out.push_back(CtrlOut { peer_id, dest, bytes, req: None });
     }
 
+    /// Operations to `peer_id` that shm's fast RMA finished inside the post call: their
+    /// completion is in the CQ already (read here first), or the copy failed and none will
+    /// ever come. Without this, every failed one would hold an in-flight slot of the rail
+    /// for good, and enough of them would stall the rail for every other peer.
+    fn reclaim_inline_ops(&mut self, peer_id: u64) {
+        for r in 0..self.rails.len() {
+            if self.rails[r].caps.sync_rma {
+                self.poll_rail(r);
+            }
+        }
+        for kind in self.ops.take_where(|k| matches!(k, OpKind::Rma { req, inline: true, .. } if req.peer().is_some_and(|p| p.id == peer_id))) {
+            if let OpKind::Rma { req, rail, .. } = kind {
+                self.inflight[rail as usize] = self.inflight[rail as usize].saturating_sub(1);
+                let mut st = req.state();
+                st.inflight_total = st.inflight_total.saturating_sub(1);
+            }
+        }
+    }
+
+    /// A same-host peer reached by CMA is checked by reading its token (one system call)
+    /// while we have work for it, or at once after a failed copy: a dead process leaves
+    /// shm nothing to complete our operations with, and its pid may be reused. A peer
+    /// that fails the check is disconnected, so its requests end with REMOTE_DISCONNECT
+    /// now instead of at the timeout.
+    fn probe_same_host(&mut self, all: bool) {
+        let busy: Vec<u64> = self.active.iter().filter_map(|r| r.peer().map(|p| p.id)).collect();
+        let dead: Vec<(u64, String)> = self
+            .conns
+            .iter()
+            .filter(|(id, c)| c.peer.cma && (all || busy.contains(id)))
+            .filter(|(_, c)| !c.peer.info.process.as_ref().is_some_and(super::cma::reachable))
+            .map(|(id, c)| (*id, c.peer.name.clone()))
+            .collect();
+        for (id, name) in dead {
+            log::error!("{}: agent '{name}' on this host is gone (its process can no longer be read); disconnecting", self.core.name);
+            if let Some(c) = self.conns.get(&id) {
+                c.peer.mark_disconnected();
+            }
+            self.disconnect(id);
+        }
+    }
+
     pub fn disconnect(&mut self, peer_id: u64) {
         if let Some(c) = self.conns.remove(&peer_id) {
             for (l, row) in c.addrs.iter().enumerate() {
@@ -445,6 +492,7 @@ impl Driver {
             log::info!("{}: disconnected from agent '{}'", self.core.name, c.peer.name);
         }
         self.ctrl_out.retain(|m| m.peer_id != peer_id);
+        self.reclaim_inline_ops(peer_id);
         let active = std::mem::take(&mut self.active);
         for req in &active {
             if req.peer().is_some_and(|p| p.id == peer_id) {
@@ -544,10 +592,11 @@ impl Driver {
                     bytes += t.len;
                     n += 1;
                 }
-                let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: s.rail, len: bytes });
-                let more = st.next + n < req.segs.len();
                 let write = req.op == Op::Write;
                 let dc = write && !self.flush_writes[rail] && sync_rails & (1 << rail) == 0;
+                let inline = sync_rails & (1 << rail) != 0 && !dc;
+                let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: s.rail, len: bytes, inline });
+                let more = st.next + n < req.segs.len();
                 let res = match (n, req.op) {
                     (1, Op::Write) => r.write(s.local as *const u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more, dc),
                     (1, Op::Read) => r.read(s.local as *mut u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more),
@@ -665,7 +714,7 @@ impl Driver {
             let target = req.peer().map(|p| p.id).zip(req.segs.iter().find(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)).copied());
             let res = match target {
                 Some((peer_id, s)) => self.conn_addr(peer_id, rail, s.rrail as usize).and_then(|dest| {
-                    let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: rail as u16, len: 0 });
+                    let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: rail as u16, len: 0, inline: false });
                     let r = self.rails[rail].read(self.flush_buf.as_mut_ptr(), 1, self.flush_mrs[rail].desc, dest, s.raddr, s.rkey, ctx, false);
                     if !matches!(r, Ok(Posted::Ok)) {
                         self.ops.release(ctx);
@@ -781,6 +830,9 @@ impl Driver {
                     let err = e.into_error("completion", rail);
                     if ctx.is_null() {
                         log::warn!("{}: rail {rail}: {err}", self.core.name);
+                        if self.rails[rail].caps.sync_rma {
+                            self.probe_now = true;
+                        }
                     } else {
                         self.on_completion(rail, ctx, 0, Some(err));
                     }
@@ -797,7 +849,7 @@ impl Driver {
         };
         match kind {
             OpKind::Free => {}
-            OpKind::Rma { req, epoch, rail: r, len } => {
+            OpKind::Rma { req, epoch, rail: r, len, .. } => {
                 let r = r as usize;
                 self.inflight[r] = self.inflight[r].saturating_sub(1);
                 let mut st = req.state();
@@ -913,6 +965,8 @@ impl Driver {
             return;
         }
         self.last_sweep = now;
+        let all = std::mem::take(&mut self.probe_now);
+        self.probe_same_host(all);
         let timeout = self.core.cfg.timeout();
         let active = std::mem::take(&mut self.active);
         let mut keep = Vec::with_capacity(active.len());

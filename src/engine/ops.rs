@@ -10,7 +10,8 @@ use std::sync::Arc;
 pub enum OpKind {
     Free,
     /// An RMA read or write of request `req`, posted in its post number `epoch`.
-    Rma { req: Arc<Request>, epoch: u64, rail: u16, len: u64 },
+    /// `inline`: shm's fast RMA, which the provider finishes inside the post call.
+    Rma { req: Arc<Request>, epoch: u64, rail: u16, len: u64, inline: bool },
     /// A control message leaving from send buffer `buf`, possibly completing a request's
     /// notification phase.
     Send { buf: u32, req: Option<(Arc<Request>, u64)>, notif: bool },
@@ -69,6 +70,19 @@ impl OpPool {
 
     /// Returns the slot of a context pointer to the pool and gives back what it was for.
     /// A pointer that is not one of ours yields None (and is logged by the caller).
+    /// Frees every live operation `f` selects and returns what they were.
+    pub fn take_where(&mut self, f: impl Fn(&OpKind) -> bool) -> Vec<OpKind> {
+        let mut out = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if !matches!(slot.kind, OpKind::Free) && f(&slot.kind) {
+                out.push(std::mem::replace(&mut slot.kind, OpKind::Free));
+                self.free.push(i as u32);
+                self.in_use -= 1;
+            }
+        }
+        out
+    }
+
     pub fn release(&mut self, ctx: *mut c_void) -> Option<OpKind> {
         if ctx.is_null() {
             return None;
