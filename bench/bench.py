@@ -67,6 +67,7 @@ CONFIG_TIMEOUT_S = 300
 
 # Iteration policy (scaled down by --quick): enough posts per point for a median, bounded in
 # bytes and in seconds so a slow backend cannot stretch the run.
+IDLE_S = 10.0  # idle-CPU measurement of one engine (issue: "measure idle CPU for 10 s")
 POLICY = {"byte_budget": 256 * MiB, "min_iters": 5, "max_iters": 100, "max_point_s": 3.0,
           "warmup": 2, "lat_iters": 2000, "lat_warmup": 100,
           "memcpy_runs": 10, "tcp_runs": 5}
@@ -184,6 +185,26 @@ def role_probe(backend):
         say("PROBE ok")
     except Exception as e:  # noqa: BLE001 - reported, not handled
         say(f"PROBE fail {type(e).__name__}: {e}")
+    return finish(backend, 0)
+
+
+def role_idle(backend, quick):
+    """One agent with a registered region and nothing to do: the CPU time its process
+    spends over IDLE_S seconds (progress threads included)."""
+    import resource
+    agent = make_agent("bench-idle", backend)
+    buf = np.zeros(64 * MiB, dtype=np.uint8)
+    reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0)], "DRAM"))
+    time.sleep(1.0)
+    secs = 3.0 if quick else IDLE_S
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    time.sleep(secs)
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    say("IDLE " + json.dumps({"seconds": round(t1 - t0, 2), "cpu_s": round(cpu, 4),
+                              "cpu_pct": round(100 * cpu / (t1 - t0), 3)}))
+    agent.deregister_memory(reg)
+    del agent
     return finish(backend, 0)
 
 
@@ -590,6 +611,15 @@ def run_config(label, quick, logdir, plugdir):
         res["error"] = f"initiator rc {rc}: " + " | ".join(tail)
     if res.get("target_rc", 0) != 0:
         res.setdefault("error", f"target rc {res['target_rc']}")
+    if "error" not in res:
+        args = [sys.executable, os.path.abspath(__file__), "--role", "idle", "--backend", backend]
+        if quick:
+            args.append("--quick")
+        with open(os.path.join(logdir, f"{label}.idle.log"), "w") as logf:
+            _, out = run_child(args, env, IDLE_S + 60, logf)
+        m = re.search(r"^IDLE (.*)$", out, re.M)
+        if m:
+            res["idle"] = json.loads(m.group(1))
     if label == "ucx":  # which UCX transports carried it (UCX_LOG_LEVEL=info; UCX logs to stdout)
         cfg = re.findall(r"intra-node cfg#\d+ (.*)", out + open(logpath, errors="replace").read())
         if cfg:
@@ -781,6 +811,11 @@ def orchestrate(a):
         log(f"{TITLES[c]}: " + (r.get("error") or f"{len(r['points'])} points, {r.get('seconds')} s"))
     report["seconds"] = round(time.time() - t0, 1)
     table = print_table(report)
+    idle = [f"{TITLES[c]} {r['idle']['cpu_s'] * 1000:.1f} ms ({r['idle']['cpu_pct']:.2f} %)"
+            for c, r in report["configs"].items() if r.get("idle")]
+    if idle:
+        secs = next(r["idle"]["seconds"] for r in report["configs"].values() if r.get("idle"))
+        table += f"\nidle CPU of one engine (agent + 64 MiB registered, {secs:.0f} s): " + ", ".join(idle)
     print(table)
     report["table"] = table
     out_json = os.path.join(a.out, f"{date}.json")
@@ -809,7 +844,7 @@ def main():
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", default="orchestrate",
-                    choices=["orchestrate", "initiator", "target", "probe", "tcp-sink"])
+                    choices=["orchestrate", "initiator", "target", "probe", "tcp-sink", "idle"])
     ap.add_argument("--backend")
     ap.add_argument("--quick", action="store_true", help="few iterations (smoke run)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -826,6 +861,8 @@ def main():
         return role_probe(a.backend)
     if a.role == "tcp-sink":
         return role_tcp_sink()
+    if a.role == "idle":
+        return role_idle(a.backend, a.quick)
     return orchestrate(a)
 
 

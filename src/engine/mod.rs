@@ -97,8 +97,10 @@ pub fn cuda_summary() -> String {
 /// FI_HMEM interface number of CUDA (enum fi_hmem_iface).
 const FI_HMEM_CUDA: u32 = 1;
 
-/// Requests of at most this many segments start on the caller's thread (Engine::post).
+/// Requests of at most this many segments and bytes start on the caller's thread
+/// (Engine::post); shm's fast RMA copies inside that pass, so the bytes bound its time.
 const INLINE_POST_SEGS: usize = 4;
+const INLINE_POST_BYTES: u64 = 256 << 10;
 
 fn is_single_rail_provider(p: &str) -> bool {
     ["tcp", "sockets", "shm", "udp"].iter().any(|x| p.starts_with(x))
@@ -567,7 +569,7 @@ impl Engine {
         self.core.submit(Submit::Post(req.clone()));
         if !self.threaded {
             self.lock_driver().pass();
-        } else if req.segs.len() <= INLINE_POST_SEGS {
+        } else if req.segs.len() <= INLINE_POST_SEGS && req.segs.iter().map(|s| s.len).sum::<u64>() <= INLINE_POST_BYTES {
             // A small request starts on the caller's thread when the rails are free (as in
             // check()): its latency then does not wait for the progress thread's turn. Large
             // ones are left to the thread, so that posting stays cheap for the caller.
