@@ -194,7 +194,7 @@ def role_idle(backend, quick):
     import resource
     agent = make_agent("bench-idle", backend)
     buf = np.zeros(64 * MiB, dtype=np.uint8)
-    reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0)], "DRAM"))
+    reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     time.sleep(1.0)
     secs = 3.0 if quick else IDLE_S
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()

@@ -32,8 +32,10 @@ pub struct Core {
     /// The progress thread is (about to be) asleep and needs a write to `wake_fd`.
     sleeping: AtomicBool,
     pub wake_fd: i32,
-    /// When a caller last made a progress pass itself (ns since `born`; 0 = never).
+    /// When a caller last made a progress pass itself (ns since `born`; 0 = never), and
+    /// the gap to the pass before it.
     caller_pass_ns: AtomicU64,
+    caller_gap_ns: AtomicU64,
     born: Instant,
 }
 
@@ -58,19 +60,26 @@ impl Core {
             sleeping: AtomicBool::new(false),
             wake_fd,
             caller_pass_ns: AtomicU64::new(0),
+            caller_gap_ns: AtomicU64::new(u64::MAX),
             born: Instant::now(),
         }
     }
 
     pub fn note_caller_pass(&self) {
         let ns = self.born.elapsed().as_nanos() as u64;
-        self.caller_pass_ns.store(ns.max(1), Ordering::Relaxed);
+        let prev = self.caller_pass_ns.swap(ns.max(1), Ordering::Relaxed);
+        let gap = if prev == 0 { u64::MAX } else { ns.saturating_sub(prev) };
+        self.caller_gap_ns.store(gap, Ordering::Relaxed);
     }
 
-    /// Whether a caller made a progress pass within `window`.
-    pub fn caller_passed_within(&self, window: Duration) -> bool {
+    /// Whether a caller is polling in a tight loop: its last pass within `window`, and less
+    /// than `gap` after the one before. (A caller that sleeps between checks makes too few
+    /// passes to carry the engine alone.)
+    pub fn caller_spinning(&self, window: Duration, gap: Duration) -> bool {
         let at = self.caller_pass_ns.load(Ordering::Relaxed);
-        at != 0 && self.born.elapsed().as_nanos() as u64 <= at + window.as_nanos() as u64
+        at != 0
+            && self.born.elapsed().as_nanos() as u64 <= at + window.as_nanos() as u64
+            && self.caller_gap_ns.load(Ordering::Relaxed) <= gap.as_nanos() as u64
     }
 
     pub fn push_notif(&self, sender: String, msg: Vec<u8>) {

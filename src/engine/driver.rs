@@ -40,6 +40,29 @@ impl CtrlBuffers {
     }
 }
 
+/// Maps keyed by our peer ids and engine ids, looked up once per operation and completion:
+/// a multiplicative hash instead of SipHash (callgrind: SipHash was ~190 instructions per
+/// operation). The keys come from us (sequential ids) or are random engine ids, so
+/// flooding the table is not a concern.
+type IdMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
+
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
 /// Our addresses of one peer: `addrs[local rail][remote rail]`.
 struct Conn {
     peer: Arc<Peer>,
@@ -114,9 +137,9 @@ pub struct Driver {
     pub(super) staging: Staging,
     ctrl: CtrlBuffers,
     pub(super) core: Arc<Core>,
-    conns: HashMap<u64, Conn>,
+    conns: IdMap<Conn>,
     /// Engines that introduced themselves (engine id -> who they are).
-    initiators: HashMap<u64, Initiator>,
+    initiators: IdMap<Initiator>,
     to_post: VecDeque<Arc<Request>>,
     active: Vec<Arc<Request>>,
     pub(super) ctrl_out: VecDeque<CtrlOut>,
@@ -172,8 +195,8 @@ impl Driver {
             staging: Staging::default(),
             ctrl,
             core,
-            conns: HashMap::new(),
-            initiators: HashMap::new(),
+            conns: IdMap::default(),
+            initiators: IdMap::default(),
             to_post: VecDeque::new(),
             active: Vec::new(),
             ctrl_out: VecDeque::new(),

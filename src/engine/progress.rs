@@ -18,10 +18,12 @@ const YIELD_PASSES: u32 = 32;
 const MIN_NAP_US: u64 = 10;
 /// Longest sleep of an idle thread when the agent gives no pthrDelay.
 const DEFAULT_IDLE_US: u64 = 1000;
-/// While a caller polls and makes the passes itself (Engine::check), the thread stays off
+/// While a caller spins and makes the passes itself (Engine::check), the thread stays off
 /// the cores: on a small host a third spinning thread is what delays the peer's progress
 /// thread, and with it every manual-progress RMA, by a scheduler tick.
 const CALLER_WINDOW: Duration = Duration::from_millis(1);
+/// Passes this close together mean the caller spins (a Python check loop: 1-3 us).
+const CALLER_GAP: Duration = Duration::from_micros(20);
 const CALLER_NAP: Duration = Duration::from_micros(200);
 
 pub fn spawn(core: Arc<Core>, driver: Arc<Mutex<Driver>>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
@@ -42,7 +44,7 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
     let mut quiet = 0u32;
     let mut nap = MIN_NAP_US;
     while !stop.load(Ordering::Acquire) {
-        if core.caller_passed_within(CALLER_WINDOW) {
+        if core.caller_spinning(CALLER_WINDOW, CALLER_GAP) {
             std::thread::sleep(CALLER_NAP);
             last_work = Instant::now();
             continue;
