@@ -1031,6 +1031,11 @@ impl Driver {
         let mut fds = Vec::with_capacity(self.rails.len());
         for r in &self.rails {
             if !r.has_wait_fd() {
+                // shm in fast-RMA mode (no fd) needs us only to recycle its command slots,
+                // which the timed naps do; the other rails' fds still wake us for messages.
+                if r.caps.sync_rma {
+                    continue;
+                }
                 return Idle::NoFds;
             }
             match r.wait_fd_if_idle() {

@@ -18,6 +18,12 @@ const YIELD_PASSES: u32 = 32;
 const MIN_NAP_US: u64 = 10;
 /// Longest sleep of an idle thread when the agent gives no pthrDelay.
 const DEFAULT_IDLE_US: u64 = 1000;
+/// Without a pthrDelay, after this long with nothing to do the sleeps grow to DEEP_IDLE_US:
+/// a wake-up costs ~30 us here, so 1 ms naps kept an idle engine at 3 % of a core (bench,
+/// 10 s). A peer's first message still wakes the thread through the CQ fds where the rails
+/// have them, and the first RMA of a busy initiator comes with a KICK message.
+const DEEP_IDLE_AFTER: Duration = Duration::from_secs(1);
+const DEEP_IDLE_US: u64 = 20_000;
 /// While a caller spins and makes the passes itself (Engine::check), the thread stays off
 /// the cores: on a small host a third spinning thread is what delays the peer's progress
 /// thread, and with it every manual-progress RMA, by a scheduler tick.
@@ -76,7 +82,8 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
             continue;
         }
         // Idle: sleep in doubling naps on the wake eventfd (and CQ fds where they exist).
-        nap = (nap * 2).clamp(MIN_NAP_US, idle_us);
+        let cap = if core.cfg.progress_delay_us == 0 && last_work.elapsed() > DEEP_IDLE_AFTER { DEEP_IDLE_US } else { idle_us };
+        nap = (nap * 2).clamp(MIN_NAP_US, cap);
         core.set_sleeping(true);
         if core.has_submitted() || stop.load(Ordering::Acquire) {
             core.set_sleeping(false);

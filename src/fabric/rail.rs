@@ -269,27 +269,12 @@ impl Rail {
             context: ctx,
             data: 0,
         };
-        let mut flags = sys::FI_COMPLETION as u64;
-        // shm takes the flag per operation (see sync_rma); elsewhere only where granted.
-        if write && dc && (self.caps.delivery_complete || self.caps.sync_rma) {
-            flags |= sys::FI_DELIVERY_COMPLETE as u64;
-        }
-
-        if more {
-            flags |= sys::FI_MORE as u64;
-        }
-        // SAFETY: msg and the structs it points to live for the call; the provider copies
-        // them. The buffer and ctx stay valid until the completion (engine invariant).
-        let ret = unsafe {
-            if write { sys::nf_fi_writemsg(self.ep.raw, &msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, &msg, flags) }
-        };
-        self.posted(ret, if write { "fi_writemsg" } else { "fi_readmsg" })
+        self.post_msg(write, &msg, more, dc)
     }
 
     /// One RMA operation over several segments: the provider moves the local iovs, in
     /// order, into the remote ranges, in order; pairwise equal lengths keep every byte at
     /// its own segment's address. `segs.len()` must be within 1..=caps.rma_batch.
-    #[allow(clippy::too_many_arguments)]
     pub fn rma_batch(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
         let n = segs.len();
         if n == 0 || n > self.caps.rma_batch {
@@ -313,17 +298,24 @@ impl Rail {
             context: ctx,
             data: 0,
         };
+        self.post_msg(write, &msg, more, dc)
+    }
+
+    /// Posts a prepared RMA message with our completion flags.
+    fn post_msg(&self, write: bool, msg: &sys::fi_msg_rma, more: bool, dc: bool) -> Result<Posted> {
         let mut flags = sys::FI_COMPLETION as u64;
+        // shm takes the flag per operation (see sync_rma); elsewhere only where granted.
         if write && dc && (self.caps.delivery_complete || self.caps.sync_rma) {
             flags |= sys::FI_DELIVERY_COMPLETE as u64;
         }
         if more {
             flags |= sys::FI_MORE as u64;
         }
-        // SAFETY: msg and the arrays it points to live for the call; the provider copies
-        // them. Every buffer and ctx stay valid until the completion (engine invariant).
+        // SAFETY: msg and the arrays it points to live for the call (the caller's stack);
+        // the provider copies them. Every buffer and ctx stay valid until the completion
+        // (engine invariant).
         let ret = unsafe {
-            if write { sys::nf_fi_writemsg(self.ep.raw, &msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, &msg, flags) }
+            if write { sys::nf_fi_writemsg(self.ep.raw, msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, msg, flags) }
         };
         self.posted(ret, if write { "fi_writemsg" } else { "fi_readmsg" })
     }
