@@ -101,11 +101,16 @@ impl FromTable for String {
 }
 impl FromTable for bool {
     fn from_table(_: Kind, v: &str) -> Option<Self> {
-        match v.trim().to_ascii_lowercase().as_str() {
-            "1" | "true" | "yes" | "on" => Some(true),
-            "0" | "false" | "no" | "off" => Some(false),
-            _ => None,
-        }
+        parse_bool(v)
+    }
+}
+
+/// Booleans as our tunables and libfabric's parameters spell them.
+pub fn parse_bool(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
     }
 }
 impl FromTable for u64 {

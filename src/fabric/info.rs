@@ -1,6 +1,6 @@
 //! Provider discovery: which fi_info entries become rails.
 use super::sys;
-use super::{fab_err, API_VERSION};
+use super::{fab_err, library_major, API_VERSION};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use std::ffi::{CStr, CString};
@@ -213,11 +213,6 @@ pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
         }
     }
     Err(last_err.unwrap_or_else(|| Error::NotFound(format!("no provider for '{}'", cfg.provider))))
-}
-
-fn library_major() -> u32 {
-    // SAFETY: fi_version takes no arguments and only reads constants.
-    unsafe { sys::fi_version() >> 16 }
 }
 
 /// What `nixl-fabric-info` prints for one provider entry.

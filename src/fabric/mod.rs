@@ -17,9 +17,18 @@ pub(crate) const API_VERSION: u32 = (1 << 16) | 17;
 
 /// The runtime library's version, e.g. "1.17".
 pub fn library_version() -> String {
-    // SAFETY: fi_version takes no arguments and only reads constants.
-    let v = unsafe { sys::fi_version() };
+    let v = runtime_version();
     format!("{}.{}", v >> 16, v & 0xffff)
+}
+
+/// The runtime library's major version (provider behaviour differs between 1.x and 2.x).
+pub(crate) fn library_major() -> u32 {
+    runtime_version() >> 16
+}
+
+fn runtime_version() -> u32 {
+    // SAFETY: fi_version takes no arguments and only reads constants.
+    unsafe { sys::fi_version() }
 }
 
 /// libfabric's text for a (positive) error number.

@@ -1,7 +1,8 @@
 //! A rail: one fabric/domain/endpoint/CQ/AV, with the settings negotiated for it and the
 //! data-path calls the engine makes on it.
 use super::resources::{Av, Cq, Domain, Endpoint, Fabric};
-use super::{fab_err, strerror, sys, FiAddr, RailSpec};
+use super::{fab_err, library_major, strerror, sys, FiAddr, RailSpec};
+use crate::config::parse_bool;
 use crate::error::{Error, Result};
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -139,20 +140,13 @@ const RMA_ORDER_BITS: u64 = (sys::FI_ORDER_RAR | sys::FI_ORDER_RAW | sys::FI_ORD
 /// Whether this entry is the shm provider's fast-RMA mode (see RailCaps::sync_rma). The
 /// rules are those of libfabric 1.x's shm; 2.x changed that provider, so it is not assumed.
 fn shm_fast_rma(prov: &str, mr_mode: u64, msg_order: u64, caps: u64, op_flags: u64) -> bool {
-    // SAFETY: fi_version takes no arguments and only reads constants.
-    let major = unsafe { sys::fi_version() } >> 16;
     prov == "shm"
-        && major == 1
+        && library_major() == 1
         && flag(mr_mode, sys::FI_MR_VIRT_ADDR as u64)
         && msg_order & RMA_ORDER_BITS == 0
         && !flag(caps, sys::FI_HMEM)
         && !flag(op_flags, sys::FI_DELIVERY_COMPLETE as u64)
-        && !env_true("FI_SHM_DISABLE_CMA")
-}
-
-/// libfabric's reading of a boolean parameter from the environment.
-fn env_true(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on" | "y"))
+        && !std::env::var("FI_SHM_DISABLE_CMA").is_ok_and(|v| parse_bool(&v) == Some(true))
 }
 
 impl Rail {
@@ -169,6 +163,7 @@ impl Rail {
             let rx = &*i.rx_attr;
             let ep = &*i.ep_attr;
             let mr = d.mr_mode as u64;
+            let sync_rma = shm_fast_rma(&spec.prov_name, mr, tx.msg_order, i.caps, tx.op_flags);
             RailCaps {
                 prov_name: spec.prov_name.clone(),
                 domain_name: spec.domain_name.clone(),
@@ -182,12 +177,9 @@ impl Rail {
                 rx_size: rx.size.max(1),
                 delivery_complete: spec.delivery_complete,
                 order_raw: flag(tx.msg_order, sys::FI_ORDER_RAW as u64),
-                sync_rma: shm_fast_rma(&spec.prov_name, mr, tx.msg_order, i.caps, tx.op_flags),
-                rma_batch: if shm_fast_rma(&spec.prov_name, mr, tx.msg_order, i.caps, tx.op_flags) {
-                    1
-                } else {
-                    tx.iov_limit.min(tx.rma_iov_limit).clamp(1, MAX_RMA_BATCH)
-                },
+                sync_rma,
+                // shm's fast RMA takes a single remote range per operation.
+                rma_batch: if sync_rma { 1 } else { tx.iov_limit.min(tx.rma_iov_limit).clamp(1, MAX_RMA_BATCH) },
                 cq_data_size: d.cq_data_size,
                 needs_context: flag(i.mode, (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64),
                 hmem: flag(i.caps, sys::FI_HMEM),
