@@ -119,6 +119,8 @@ int wait_child(int pid, double limit_s);
 
 /* Length-prefixed messages over a stream socket. */
 bool msg_send(int fd, const void *buf, size_t len);
+/* One printf-formatted message (up to 511 bytes; longer text is cut, never overread). */
+bool msg_sendf(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Returns a malloc'd buffer (NUL-terminated beyond len) or NULL on EOF/timeout. */
 uint8_t *msg_recv(int fd, size_t *len, double limit_s);
 

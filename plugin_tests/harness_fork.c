@@ -6,7 +6,6 @@
 #include "harness.h"
 
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -29,15 +28,7 @@ typedef struct {
     double last;
 } child_t;
 
-static void reply(child_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void reply(child_t *c, const char *fmt, ...) {
-    char b[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(b, sizeof b, fmt, ap);
-    va_end(ap);
-    msg_send(c->fd, b, (size_t)n);
-}
+#define reply(c, ...) msg_sendf((c)->fd, __VA_ARGS__)
 
 /* Runs inside nf_notif_cb: the data is checked at the moment the notification arrives. */
 static void child_cb(void *ctx, const char *sender, size_t sl, const uint8_t *msg, size_t len) {

@@ -538,6 +538,17 @@ bool msg_send(int fd, const void *buf, size_t len) {
     return ok;
 }
 
+bool msg_sendf(int fd, const char *fmt, ...) {
+    char b[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(b, sizeof b, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return false;
+    return msg_send(fd, b, (size_t)n < sizeof b ? (size_t)n : sizeof b - 1);
+}
+
 uint8_t *msg_recv(int fd, size_t *len, double limit_s) {
     uint32_t l;
     /* Only the wait for a message to start is bounded by limit_s (which may be tiny, for

@@ -24,7 +24,6 @@
 #include <inttypes.h>
 #include <poll.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -108,15 +107,7 @@ typedef struct {
     unsigned long notifs;
 } peer_t;
 
-static void preply(peer_t *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void preply(peer_t *p, const char *fmt, ...) {
-    char b[256];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(b, sizeof b, fmt, ap);
-    va_end(ap);
-    msg_send(p->fd, b, (size_t)n);
-}
+#define preply(p, ...) msg_sendf((p)->fd, __VA_ARGS__)
 
 /* In nf_notif_cb: a WRITE's bytes must be in place when its notification arrives. */
 static void peer_cb(void *ctx, const char *sender, size_t sl, const uint8_t *msg, size_t len) {
@@ -473,18 +464,27 @@ static void post_slot(soak_t *s, slot_t *sl, size_t idx) {
         settle(s, sl, st, false);
 }
 
+/* Checks an active slot once: settles it when its request ended, or with HX_TIMEOUT past
+ * `deadline`; `at_kill` says whether it was in flight when a peer was killed. Returns
+ * whether it is still in flight. */
+static bool poll_slot(soak_t *s, slot_t *sl, double deadline, bool at_kill) {
+    int st = nf_request_check(s->e, sl->req);
+    if (st != NF_IN_PROG)
+        settle(s, sl, st, at_kill);
+    else if (now_s() > deadline)
+        settle(s, sl, HX_TIMEOUT, at_kill);
+    else
+        return true;
+    return false;
+}
+
 /* Polls every active slot once. */
 static void poll_slots(soak_t *s) {
     double lim = wait_limit_s();
     for (size_t i = 0; i < s->nslots; i++) {
         slot_t *sl = &s->slots[i];
-        if (!sl->active)
-            continue;
-        int st = nf_request_check(s->e, sl->req);
-        if (st != NF_IN_PROG)
-            settle(s, sl, st, sl->gen != s->gen);
-        else if (now_s() - sl->t_post > lim)
-            settle(s, sl, HX_TIMEOUT, sl->gen != s->gen);
+        if (sl->active)
+            poll_slot(s, sl, sl->t_post + lim, sl->gen != s->gen);
     }
     for (size_t i = 0; i < s->nslots; i++) {
         slot_t *sl = &s->slots[i];
@@ -526,14 +526,7 @@ static bool restart_peer(soak_t *s) {
         bool any = false;
         for (size_t i = 0; i < s->nslots; i++) {
             slot_t *sl = &s->slots[i];
-            if (!sl->active)
-                continue;
-            int st = nf_request_check(s->e, sl->req);
-            if (st != NF_IN_PROG)
-                settle(s, sl, st, sl->gen == dead_gen);
-            else if (now_s() > end)
-                settle(s, sl, HX_TIMEOUT, sl->gen == dead_gen);
-            else
+            if (sl->active && poll_slot(s, sl, end, sl->gen == dead_gen))
                 any = true;
         }
         if (!any)
