@@ -620,11 +620,7 @@ impl Driver {
                 let inline = sync_rails & (1 << rail) != 0 && !dc;
                 let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: s.rail, len: bytes, inline });
                 let more = st.next + n < req.segs.len();
-                let res = match (n, req.op) {
-                    (1, Op::Write) => r.write(s.local as *const u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more, dc),
-                    (1, Op::Read) => r.read(s.local as *mut u8, s.len as usize, s.desc as *mut _, dest, s.raddr, s.rkey, ctx, more),
-                    _ => r.rma_batch(write, &batch[..n], dest, ctx, more, dc),
-                };
+                let res = r.rma_batch(write, &batch[..n], dest, ctx, more, dc);
                 match res {
                     Ok(Posted::Ok) => {
                         st.next += n;
