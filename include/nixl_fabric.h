@@ -75,6 +75,15 @@ typedef struct {
   uint64_t notifs_received;
   uint64_t progress_passes;
   uint64_t cuda_ctx_applies;
+  // Bytes copied by the CUDA driver directly between the two sides' memories (a
+  // same-host peer's GPU memory opened by IPC, or an engine of this process).
+  uint64_t gpu_direct_bytes;
+  // Peers' GPU allocations opened by IPC, and closed again.
+  uint64_t gpu_ipc_opens;
+  uint64_t gpu_ipc_closes;
+  // Batched copy calls (cuMemcpyBatchAsync) and single copy calls of direct transfers.
+  uint64_t gpu_batch_calls;
+  uint64_t gpu_copy_calls;
 } nf_counters;
 
 // Per-rail counters.

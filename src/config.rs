@@ -68,7 +68,9 @@ tunables! {
     rma_batch: u64 = U64, "4", "NIXL_FABRIC_RMA_BATCH",
         "most descriptors one RMA operation carries where the provider's iov limits allow (up to 8); 1 posts one operation per descriptor";
     same_host_shm: bool = Bool, "true", "NIXL_FABRIC_SAME_HOST_SHM",
-        "peers on the same host (same boot id) exchange data over an extra shm rail instead of the network rails";
+        "peers on the same host (same boot id) exchange data over an extra shm rail instead of the network rails; off also turns off every other same-host path (GPU IPC, direct copies between engines of one process)";
+    gpu_ipc: bool = Bool, "true", "NIXL_FABRIC_GPU_IPC",
+        "GPU memory of same-host peers is opened by CUDA IPC and copied by the GPU (needs same_host_shm too); off stages it through host memory";
     staging_buffer_size: u64 = Size, "67108864", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
         "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM)";
     staging_chunk_size: u64 = Size, "2097152", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
@@ -175,6 +177,7 @@ impl Config {
             max_inflight: 0,
             rma_batch: 0,
             same_host_shm: true,
+            gpu_ipc: true,
             staging_buffer_size: 0,
             staging_chunk_size: 0,
         }

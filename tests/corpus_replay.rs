@@ -135,7 +135,7 @@ fn conn(engine_id: u64, agent: &str, rails: Vec<RailAddr>) -> ConnInfo {
 }
 
 fn mem(flags: u8, mem_type: u8, base: u64, len: u64, keys: Vec<u64>) -> MemDesc {
-    MemDesc { mem_type, virt_addr: flags & 1 != 0, staged: flags & 2 != 0, engine_id: 0x1122_3344_5566_7788, base, len, dev_id: mem_type as u64 * 3, keys }
+    MemDesc { mem_type, virt_addr: flags & 1 != 0, staged: flags & 2 != 0, engine_id: 0x1122_3344_5566_7788, base, len, dev_id: mem_type as u64 * 3, keys, ipc: None }
 }
 
 /// Adds truncations at the given lengths and `flips` copies with 1..3 flipped bits.

@@ -64,7 +64,32 @@ pub struct nf_counters {
     pub notifs_received: u64,
     pub progress_passes: u64,
     pub cuda_ctx_applies: u64,
+    /// Bytes copied by the CUDA driver directly between the two sides' memories (a
+    /// same-host peer's GPU memory opened by IPC, or an engine of this process).
+    pub gpu_direct_bytes: u64,
+    /// Peers' GPU allocations opened by IPC, and closed again.
+    pub gpu_ipc_opens: u64,
+    pub gpu_ipc_closes: u64,
+    /// Batched copy calls (cuMemcpyBatchAsync) and single copy calls of direct transfers.
+    pub gpu_batch_calls: u64,
+    pub gpu_copy_calls: u64,
 }
+
+/// The engine's snapshots as the C structs: field for field.
+macro_rules! from_snapshot {
+    ($from:ty => $to:ident { $($f:ident),* $(,)? }) => {
+        impl From<$from> for $to {
+            fn from(s: $from) -> $to { $to { $($f: s.$f,)* } }
+        }
+    };
+}
+from_snapshot!(crate::engine::CounterSnapshot => nf_counters {
+    bytes_written, bytes_read, ops_posted, ops_completed, ops_failed, retries,
+    requests_posted, requests_completed, requests_failed, notifs_sent, notifs_received,
+    progress_passes, cuda_ctx_applies,
+    gpu_direct_bytes, gpu_ipc_opens, gpu_ipc_closes, gpu_batch_calls, gpu_copy_calls,
+});
+from_snapshot!(crate::engine::RailCounterSnapshot => nf_rail_counters { bytes, ops, retries, errors });
 
 /// Per-rail counters.
 #[repr(C)]
@@ -393,7 +418,7 @@ pub extern "C" fn nf_engine_progress(engine: *mut nf_engine) -> nf_status {
 pub extern "C" fn nf_engine_counters(engine: *const nf_engine, out_counters: *mut nf_counters) -> nf_status {
     guard("nf_engine_counters", || {
         let e = handle(engine, ENGINE_MAGIC, "engine")?;
-        *out(out_counters, "out counters")? = e.engine.counters();
+        *out(out_counters, "out counters")? = e.engine.counters().into();
         ok()
     })
 }
@@ -414,7 +439,7 @@ pub extern "C" fn nf_engine_rail_count(engine: *const nf_engine) -> u32 {
 pub extern "C" fn nf_engine_rail_counters(engine: *const nf_engine, rail: u32, out_counters: *mut nf_rail_counters) -> nf_status {
     guard("nf_engine_rail_counters", || {
         let e = handle(engine, ENGINE_MAGIC, "engine")?;
-        *out(out_counters, "out counters")? = e.engine.rail_counters(rail as usize)?;
+        *out(out_counters, "out counters")? = e.engine.rail_counters(rail as usize)?.into();
         ok()
     })
 }

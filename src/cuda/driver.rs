@@ -66,6 +66,20 @@ pub(super) struct Fns {
     pub event_synchronize: Option<FnEventOp>,
     pub mem_host_register: Option<FnMemHostRegister>,
     pub mem_host_unregister: Option<FnMemHostUnregister>,
+    pub ipc_get_mem_handle: Option<FnIpcGetMemHandle>,
+    pub ipc_open_mem_handle: Option<FnIpcOpenMemHandle>,
+    pub ipc_close_mem_handle: Option<FnIpcCloseMemHandle>,
+    pub device_get_uuid: Option<FnDeviceGetUuid>,
+    /// The batch copy in whichever form the driver has (CUDA >= 12.8).
+    pub memcpy_batch: Option<BatchFn>,
+}
+
+/// cuMemcpyBatchAsync changed shape in CUDA 13 (the failure index went away); the symbol
+/// name says which one a driver has.
+#[derive(Clone, Copy)]
+pub(super) enum BatchFn {
+    V2(FnMemcpyBatchAsyncV2),
+    V1(FnMemcpyBatchAsyncV1),
 }
 
 /// The loaded CUDA driver. One per process, created by the first [`Driver::get`] and kept
@@ -174,6 +188,13 @@ impl Driver {
             event_synchronize: opt!("cuEventSynchronize"),
             mem_host_register: opt!("cuMemHostRegister_v2"),
             mem_host_unregister: opt!("cuMemHostUnregister"),
+            ipc_get_mem_handle: opt!("cuIpcGetMemHandle"),
+            ipc_open_mem_handle: opt!("cuIpcOpenMemHandle_v2").or(opt!("cuIpcOpenMemHandle")),
+            ipc_close_mem_handle: opt!("cuIpcCloseMemHandle"),
+            device_get_uuid: opt!("cuDeviceGetUuid_v2").or(opt!("cuDeviceGetUuid")),
+            memcpy_batch: opt!("cuMemcpyBatchAsync_v2")
+                .map(BatchFn::V2)
+                .or_else(|| opt!("cuMemcpyBatchAsync").map(BatchFn::V1)),
         };
         let mut d = Driver { f, path: path.to_string(), version: 0, _lib: lib };
         // SAFETY: cuInit takes a flags word (must be 0) and touches no memory of ours.

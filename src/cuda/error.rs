@@ -77,6 +77,8 @@ pub(super) fn fallback_name(code: i32) -> String {
         CUDA_ERROR_INVALID_HANDLE => "CUDA_ERROR_INVALID_HANDLE",
         CUDA_ERROR_NOT_FOUND => "CUDA_ERROR_NOT_FOUND",
         CUDA_ERROR_NOT_READY => "CUDA_ERROR_NOT_READY",
+        CUDA_ERROR_ALREADY_MAPPED => "CUDA_ERROR_ALREADY_MAPPED",
+        CUDA_ERROR_NOT_SUPPORTED => "CUDA_ERROR_NOT_SUPPORTED",
         CUDA_ERROR_ILLEGAL_ADDRESS => "CUDA_ERROR_ILLEGAL_ADDRESS",
         _ => return format!("unknown CUresult {code}"),
     };

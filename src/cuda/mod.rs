@@ -14,11 +14,13 @@
 //!
 //! Pieces: [`Driver`] (loading, [`Driver::pointer_info`]), [`Context`] (capture and
 //! `make_current`), synchronous copies on `Context`, [`Stream`]/[`Event`] for pipelined
-//! staging copies, [`PinnedBuffer`] bounce buffers, and the test helpers
+//! staging copies, [`PinnedBuffer`] bounce buffers, [`IpcHandle`]/[`IpcMapping`] for
+//! device memory shared with same-host peers and batched copies, and the test helpers
 //! [`DeviceBuffer`], [`Context::primary`], [`Context::create`].
 mod context;
 mod driver;
 mod error;
+mod ipc;
 mod memory;
 mod pointer;
 mod stream;
@@ -27,6 +29,7 @@ mod sys;
 pub use context::{Context, OwnedContext, PrimaryContext};
 pub use driver::{library_path, Driver, DEFAULT_LIB, LIB_ENV};
 pub use error::{CudaError, Result};
+pub use ipc::{batch_unsupported, IpcHandle, IpcMapping, IPC_HANDLE_LEN};
 pub use memory::{DeviceBuffer, HostRegistration, PinnedBuffer};
 pub use pointer::{MemoryType, PointerInfo};
 pub use stream::{Event, Stream};

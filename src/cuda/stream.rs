@@ -41,6 +41,10 @@ impl Stream {
         self.ctx
     }
 
+    pub(super) fn raw(&self) -> CUstream {
+        self.raw
+    }
+
     /// Stream work needs the stream's context current on the calling thread. The engine
     /// makes it current itself (once per pass and before each chunk, rule 4), so this does
     /// not switch contexts behind its back: a thread without the context fails loudly with

@@ -29,6 +29,8 @@ pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+pub const CUDA_ERROR_ALREADY_MAPPED: CUresult = 208;
+pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_ILLEGAL_ADDRESS: CUresult = 700;
 
 pub const CU_POINTER_ATTRIBUTE_CONTEXT: CUpointer_attribute = 1;
@@ -109,3 +111,65 @@ pub type FnMemHostAlloc = unsafe extern "C" fn(pp: *mut *mut c_void, bytesize: u
 pub type FnMemFreeHost = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
 pub type FnMemHostRegister = unsafe extern "C" fn(p: *mut c_void, bytesize: usize, flags: c_uint) -> CUresult;
 pub type FnMemHostUnregister = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
+
+/// `CUipcMemHandle`: an opaque 64-byte block that names an allocation across processes;
+/// passed to cuIpcOpenMemHandle by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUipcMemHandle {
+    pub reserved: [u8; 64],
+}
+/// `CUuuid`: 16 bytes naming a device, the same in every process of the host.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct CUuuid {
+    pub bytes: [u8; 16],
+}
+/// `CUmemLocation`: a location type and its id (0/0 = no hint).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct CUmemLocation {
+    pub kind: c_int,
+    pub id: c_int,
+}
+/// `CUmemcpyAttributes` (CUDA 12.8+): how the batch copies may access their sources.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct CUmemcpyAttributes {
+    pub src_access_order: c_int,
+    pub src_loc_hint: CUmemLocation,
+    pub dst_loc_hint: CUmemLocation,
+    pub flags: c_uint,
+}
+/// Sources are read in stream order (after earlier work of the stream).
+pub const CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: c_int = 1;
+/// cuIpcOpenMemHandle: enable peer access lazily when the allocation is on another device.
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+
+pub type FnIpcGetMemHandle = unsafe extern "C" fn(handle: *mut CUipcMemHandle, dptr: CUdeviceptr) -> CUresult;
+pub type FnIpcOpenMemHandle = unsafe extern "C" fn(dptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: c_uint) -> CUresult;
+pub type FnIpcCloseMemHandle = unsafe extern "C" fn(dptr: CUdeviceptr) -> CUresult;
+pub type FnDeviceGetUuid = unsafe extern "C" fn(uuid: *mut CUuuid, dev: CUdevice) -> CUresult;
+/// `cuMemcpyBatchAsync_v2` (CUDA 13: what `cuMemcpyBatchAsync` means in its headers).
+pub type FnMemcpyBatchAsyncV2 = unsafe extern "C" fn(
+    dsts: *mut CUdeviceptr,
+    srcs: *mut CUdeviceptr,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut CUmemcpyAttributes,
+    attrs_idxs: *mut usize,
+    num_attrs: usize,
+    stream: CUstream,
+) -> CUresult;
+/// `cuMemcpyBatchAsync` as CUDA 12.8/12.9 declared it (with a failure-index out-parameter).
+pub type FnMemcpyBatchAsyncV1 = unsafe extern "C" fn(
+    dsts: *mut CUdeviceptr,
+    srcs: *mut CUdeviceptr,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut CUmemcpyAttributes,
+    attrs_idxs: *mut usize,
+    num_attrs: usize,
+    fail_idx: *mut usize,
+    stream: CUstream,
+) -> CUresult;

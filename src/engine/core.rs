@@ -24,6 +24,8 @@ pub struct Core {
     pub rail_counters: Vec<RailCounters>,
     pub closeq: SharedCloseQueue,
     pub gpu: Arc<super::gpu::GpuRegistry>,
+    /// Peers' GPU allocations opened here by IPC.
+    pub ipc: super::direct::IpcCache,
     /// Debug only (regression test of the seed bug): never apply captured contexts.
     pub skip_ctx_apply: bool,
     notifs: Mutex<Vec<(String, Vec<u8>)>>,
@@ -53,6 +55,7 @@ impl Core {
             rail_counters: (0..rails).map(|_| RailCounters::default()).collect(),
             closeq,
             gpu: Arc::new(super::gpu::GpuRegistry::default()),
+            ipc: super::direct::IpcCache::default(),
             skip_ctx_apply: std::env::var("NIXL_FABRIC_DEBUG_SKIP_CTX_APPLY").is_ok_and(|v| v == "1"),
             notifs: Mutex::new(Vec::new()),
             submit: Mutex::new(Vec::new()),

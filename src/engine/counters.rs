@@ -1,23 +1,26 @@
 //! Monotonic counters, readable through the C ABI while the engine runs.
-use crate::capi::{nf_counters, nf_rail_counters};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 macro_rules! counters {
     ($name:ident => $out:ident { $($f:ident),* $(,)? }) => {
         #[derive(Default)]
         pub struct $name { $(pub $f: AtomicU64,)* }
+        /// A copy of the counters at one moment (the C ABI converts it to its struct).
+        #[derive(Default, Clone, Copy, Debug)]
+        pub struct $out { $(pub $f: u64,)* }
         impl $name {
             pub fn snapshot(&self) -> $out { $out { $($f: self.$f.load(Relaxed),)* } }
         }
     };
 }
 
-counters!(Counters => nf_counters {
+counters!(Counters => CounterSnapshot {
     bytes_written, bytes_read, ops_posted, ops_completed, ops_failed, retries,
     requests_posted, requests_completed, requests_failed, notifs_sent, notifs_received,
     progress_passes, cuda_ctx_applies,
+    gpu_direct_bytes, gpu_ipc_opens, gpu_ipc_closes, gpu_batch_calls, gpu_copy_calls,
 });
-counters!(RailCounters => nf_rail_counters { bytes, ops, retries, errors });
+counters!(RailCounters => RailCounterSnapshot { bytes, ops, retries, errors });
 
 #[inline]
 pub fn add(c: &AtomicU64, v: u64) {

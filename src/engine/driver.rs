@@ -135,6 +135,7 @@ pub struct Driver {
     pub(super) rails: Vec<Rail>,
     pub(super) ops: OpPool,
     pub(super) staging: Staging,
+    pub(super) direct: super::direct::Direct,
     ctrl: CtrlBuffers,
     pub(super) core: Arc<Core>,
     conns: IdMap<Conn>,
@@ -193,6 +194,7 @@ impl Driver {
         let mut d = Driver {
             ops: OpPool::with_capacity(1024),
             staging: Staging::default(),
+            direct: super::direct::Direct::default(),
             ctrl,
             core,
             conns: IdMap::default(),
@@ -278,7 +280,7 @@ impl Driver {
             self.post_flushes();
             self.flush_ctrl();
         }
-        let staging = self.advance_staging();
+        let staging = self.advance_staging() | self.advance_direct();
         if staging {
             self.flush_ctrl();
         }
@@ -369,6 +371,24 @@ impl Driver {
         if let Err(e) = self.ensure_conn(&peer) {
             self.complete(&req, &mut st, Err(e));
             return;
+        }
+        if !req.keeps.is_empty() {
+            // A direct copy into a dead peer's memory would succeed: ask first.
+            if !peer.local.alive() {
+                log::error!("{}: agent '{}' on this host has exited; disconnecting", self.core.name, peer.name);
+                peer.mark_disconnected();
+                drop(st);
+                self.disconnect(peer.id);
+                let mut st = req.state();
+                if st.phase != Phase::Done {
+                    self.complete(&req, &mut st, Err(Error::Disconnected(format!("agent '{}' exited", peer.name))));
+                }
+                return;
+            }
+            if let Err(e) = super::direct::check_keeps(&req.keeps) {
+                self.complete(&req, &mut st, Err(e));
+                return;
+            }
         }
         st.phase = Phase::Data;
         st.last_progress = Instant::now();
@@ -492,8 +512,8 @@ impl Driver {
         let dead: Vec<(u64, String)> = self
             .conns
             .iter()
-            .filter(|(id, c)| c.peer.cma && (all || busy.contains(id)))
-            .filter(|(_, c)| !c.peer.info.process.as_ref().is_some_and(super::cma::reachable))
+            .filter(|(id, c)| (c.peer.cma || c.peer.local.watched()) && (all || busy.contains(id)))
+            .filter(|(_, c)| !c.peer.local.alive() || c.peer.cma && !c.peer.info.process.as_ref().is_some_and(super::cma::reachable))
             .map(|(id, c)| (*id, c.peer.name.clone()))
             .collect();
         for (id, name) in dead {
@@ -516,6 +536,7 @@ impl Driver {
         }
         self.ctrl_out.retain(|m| m.peer_id != peer_id);
         self.reclaim_inline_ops(peer_id);
+        self.drain_direct(peer_id);
         let active = std::mem::take(&mut self.active);
         for req in &active {
             if req.peer().is_some_and(|p| p.id == peer_id) {
@@ -568,6 +589,14 @@ impl Driver {
             let epoch = st.epoch;
             while st.next < req.segs.len() {
                 let s = req.segs[st.next];
+                if let SegKind::Direct { ctx } = s.kind {
+                    if let Err(e) = self.start_direct(&req, &mut st, ctx) {
+                        log::error!("{}: direct copy for agent '{}': {e}", self.core.name, req.peer().map_or("", |p| p.name.as_str()));
+                        st.error.get_or_insert(e);
+                        st.next = req.segs.len();
+                    }
+                    continue;
+                }
                 let rail = s.rail as usize;
                 if self.inflight[rail] >= self.cap[rail] {
                     blocked = true;
@@ -1019,7 +1048,7 @@ impl Driver {
 
     /// Requests, control messages, flush reads or staging chunks are still queued or in flight.
     pub fn has_pending(&self) -> bool {
-        !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty() || !self.flushes.is_empty() || !self.staging.idle()
+        !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty() || !self.flushes.is_empty() || !self.staging.idle() || !self.direct.idle()
     }
 
     /// Whether the thread may sleep now, and on which CQ fds.

@@ -61,6 +61,18 @@ impl GpuRegistry {
         let mut r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
         r.retain(|_, w| w.strong_count() > 0);
         r.insert(mem.base, std::sync::Arc::downgrade(mem));
+        drop(r);
+        self.add_context(ctx);
+    }
+
+    pub fn remove(&self, base: u64, ctx: cuda::Context) {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).remove(&base);
+        self.remove_context(ctx);
+    }
+
+    /// Counts one more user of `ctx` (a registration, or a peer's allocation opened in it):
+    /// the progress loop applies every context in use.
+    pub fn add_context(&self, ctx: cuda::Context) {
         let mut c = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
         match c.iter_mut().find(|(x, _)| x.id() == ctx.id()) {
             Some((_, n)) => *n += 1,
@@ -71,8 +83,7 @@ impl GpuRegistry {
         }
     }
 
-    pub fn remove(&self, base: u64, ctx: cuda::Context) {
-        self.regions.lock().unwrap_or_else(|p| p.into_inner()).remove(&base);
+    pub fn remove_context(&self, ctx: cuda::Context) {
         let mut c = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(i) = c.iter().position(|(x, _)| x.id() == ctx.id()) {
             c[i].1 -= 1;

@@ -5,8 +5,10 @@
 mod cma;
 mod core;
 mod counters;
+mod direct;
 mod driver;
 mod gpu;
+mod local_peers;
 mod ops;
 mod peer;
 mod progress;
@@ -15,10 +17,10 @@ mod request;
 mod staging;
 pub mod wire;
 
+pub use counters::{CounterSnapshot, RailCounterSnapshot};
 pub use registry::{LocalMem, MemKind, RemoteMem};
 pub use request::{Op, Request};
 
-use crate::capi::{nf_counters, nf_rail_counters};
 use crate::config::Config;
 use crate::error::{Error, Result, Status};
 use crate::fabric::{self, Rail};
@@ -61,6 +63,8 @@ pub struct Engine {
     shut: AtomicBool,
     /// Read by same-host peers through CMA; published in our connection info.
     _token: cma::Token,
+    /// What engines of this process see of us (our registrations, addressable as they are).
+    view: Arc<local_peers::ProcessView>,
 }
 
 fn random_u64() -> u64 {
@@ -139,6 +143,7 @@ impl Engine {
         }
         let engine_id = random_u64();
         let token = cma::Token::new([random_u64(), random_u64()]);
+        let view = local_peers::ProcessView::publish(engine_id, token.info().token);
         let conn = ConnInfo {
             engine_id,
             host_id: host_id(),
@@ -179,6 +184,7 @@ impl Engine {
             threaded,
             shut: AtomicBool::new(false),
             _token: token,
+            view,
         }))
     }
 
@@ -199,11 +205,11 @@ impl Engine {
         1 << MemKind::Dram as u32 | vram
     }
 
-    pub fn counters(&self) -> nf_counters {
+    pub fn counters(&self) -> CounterSnapshot {
         self.core.counters.snapshot()
     }
 
-    pub fn rail_counters(&self, rail: usize) -> Result<nf_rail_counters> {
+    pub fn rail_counters(&self, rail: usize) -> Result<RailCounterSnapshot> {
         self.core.rail_counters.get(rail).map(|c| c.snapshot()).ok_or_else(|| Error::NotFound(format!("rail {rail}")))
     }
 
@@ -264,12 +270,40 @@ impl Engine {
         };
         log::debug!("{}: registered {kind:?} [{addr:#x}, +{len}){}", self.core.name,
             dev.map_or(String::new(), |d| format!(" on GPU {} ({})", d.ordinal, if d.staged { "staged" } else { "FI_HMEM" })));
-        let m = Arc::new(LocalMem::new(self.core.engine_id, addr, len, kind, dev_id, self.shapes.len(), mrs,
-            self.core.closeq.clone(), dev, Some(self.core.gpu.clone())));
+        let mut m = LocalMem::new(self.core.engine_id, addr, len, kind, dev_id, self.shapes.len(), mrs,
+            self.core.closeq.clone(), dev, Some(self.core.gpu.clone()));
+        if let (Some(i), Some(d)) = (info, dev) {
+            m.ipc = self.export_ipc(&i, &d);
+        }
+        let m = Arc::new(m);
         if let Some(d) = dev {
             self.core.gpu.add(&m, d.ctx);
         }
+        self.view.add(&m);
         Ok(m)
+    }
+
+    /// The IPC handle same-host peers open this device memory with, where the route is on
+    /// and the driver can export the allocation (not VMM memory).
+    fn export_ipc(&self, info: &crate::cuda::PointerInfo, dev: &gpu::DeviceMem) -> Option<wire::IpcDesc> {
+        if !self.core.ipc_enabled() {
+            return None;
+        }
+        let d = crate::cuda::Driver::get().ok().filter(|d| d.has_ipc())?;
+        let exported = d.ipc_export(&dev.ctx, info.range_start).and_then(|h| Ok((h, d.device_uuid(dev.ordinal)?)));
+        match exported {
+            Ok((h, uuid)) => Some(wire::IpcDesc {
+                kind: wire::IPC_KIND_LEGACY,
+                device_uuid: uuid,
+                alloc_base: info.range_start,
+                alloc_len: info.range_size,
+                handle: h.0,
+            }),
+            Err(e) => {
+                log::info!("{}: no IPC handle for GPU memory at {:#x} ({e}); same-host peers stage it through host memory", self.core.name, info.range_start);
+                None
+            }
+        }
     }
 
     pub fn public_data(&self, mem: &LocalMem) -> Result<Vec<u8>> {
@@ -310,7 +344,11 @@ impl Engine {
         log::info!("{}: agent '{name}' {} via rail pairs {:?}{}", self.core.name,
             if same_host { "is on this host" } else { "is remote" }, route.iter().map(|p| (p.rail, p.rrail)).collect::<Vec<_>>(),
             if same_host { if cma { ", its memory reachable by CMA" } else { ", its memory not reachable by CMA" } } else { "" });
-        peers.insert(name.to_string(), Arc::new(Peer::new(id, name, info, blob.to_vec(), route, same_host, cma)));
+        let local = local_peers::Locality::of(&info, same_host);
+        if matches!(local, local_peers::Locality::SameProcess(_)) {
+            log::info!("{}: agent '{name}' is an engine of this process: its memory is copied directly", self.core.name);
+        }
+        peers.insert(name.to_string(), Arc::new(Peer::new(id, name, info, blob.to_vec(), route, same_host, cma, local)));
         Ok(())
     }
 
@@ -417,6 +455,7 @@ impl Engine {
         }
         let stripe = self.core.cfg.striping_threshold.max(1);
         let mut segs = Vec::with_capacity(pairs.len());
+        let mut keeps: Vec<direct::Keep> = Vec::new();
         for (i, p) in pairs.iter().enumerate() {
             let (la, ll, lm) = p.local;
             let (ra, rl, rm) = p.remote;
@@ -448,6 +487,18 @@ impl Engine {
                     let route = &peer.route;
                     if route.is_empty() || route.iter().any(|p| p.rrail as usize >= desc.keys.len()) {
                         return Err(Error::InvalidParam(format!("no rail reaches agent '{peer_name}' for descriptor {i}")));
+                    }
+                    if let Some((raddr, kind, keep)) = direct::plan(&self.core, peer, (la, ll, lm), (ra, desc)) {
+                        segs.push(Seg { local: la, len: ll, raddr, rkey: 0, desc: 0, rail: 0, rrail: 0, kind });
+                        let known = keeps.iter().any(|k| match (k, &keep) {
+                            (direct::Keep::Ipc(a), direct::Keep::Ipc(b)) => Arc::ptr_eq(a, b),
+                            (direct::Keep::Local(a), direct::Keep::Local(b)) => a.ptr_eq(b),
+                            _ => false,
+                        });
+                        if !known {
+                            keeps.push(keep);
+                        }
+                        continue;
                     }
                     let lstaged = lm.dev.filter(|d| d.staged);
                     if lstaged.is_some() || desc.staged {
@@ -499,7 +550,9 @@ impl Engine {
         }
         let local = dedup_arcs(pairs.iter().map(|p| p.local.2.clone()));
         let remote = dedup_arcs(pairs.iter().map(|p| p.remote.2.clone()));
-        Ok(Arc::new(Request::new(op, target, segs, local, remote)))
+        let mut req = Request::new(op, target, segs, local, remote);
+        req.keeps = keeps;
+        Ok(Arc::new(req))
     }
 
     /// Cuts a pair with staged device memory on either side into staging chunks.

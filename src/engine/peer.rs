@@ -1,4 +1,5 @@
 //! Peers known to an engine: their connection info and whether they were disconnected.
+use super::local_peers::Locality;
 use super::wire::ConnInfo;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -23,12 +24,16 @@ pub struct Peer {
     pub same_host: bool,
     /// This process may read and write the peer's memory directly (cma::reachable).
     pub cma: bool,
+    /// Whether its memory is reachable without the rails (same process, or same host for
+    /// GPU memory through IPC), and how we learn that it died.
+    pub local: Locality,
     disconnected: AtomicBool,
 }
 
 impl Peer {
-    pub fn new(id: u64, name: &str, info: ConnInfo, raw: Vec<u8>, route: Vec<RoutePair>, same_host: bool, cma: bool) -> Peer {
-        Peer { id, name: name.to_string(), info, raw, route, same_host, cma, disconnected: AtomicBool::new(false) }
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(id: u64, name: &str, info: ConnInfo, raw: Vec<u8>, route: Vec<RoutePair>, same_host: bool, cma: bool, local: Locality) -> Peer {
+        Peer { id, name: name.to_string(), info, raw, route, same_host, cma, local, disconnected: AtomicBool::new(false) }
     }
     pub fn is_disconnected(&self) -> bool {
         self.disconnected.load(Ordering::Acquire)

@@ -2,7 +2,7 @@
 //! loopback), with the bounds checks every descriptor goes through.
 use super::gpu::{DeviceMem, GpuRegistry};
 use super::peer::Peer;
-use super::wire::MemDesc;
+use super::wire::{IpcDesc, MemDesc};
 use crate::error::{Error, Result};
 use crate::fabric::MemoryRegion;
 use std::ffi::c_void;
@@ -68,6 +68,8 @@ pub struct LocalMem {
     pub descs: Vec<usize>,
     /// Device memory: its captured context, and whether it is staged (no MRs).
     pub dev: Option<DeviceMem>,
+    /// Device memory exported for same-host peers (set once, before the registration is shared).
+    pub ipc: Option<IpcDesc>,
     mrs: Vec<MemoryRegion>,
     closeq: SharedCloseQueue,
     gpu: Option<Arc<GpuRegistry>>,
@@ -80,7 +82,7 @@ impl LocalMem {
         // Staged device memory has no MRs; its key slots stay 0 so descriptors keep their shape.
         let keys = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.key).collect() };
         let descs = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.desc as usize).collect() };
-        LocalMem { engine_id, base, len, kind, dev_id, keys, descs, dev, mrs, closeq, gpu: dev.and(gpu) }
+        LocalMem { engine_id, base, len, kind, dev_id, keys, descs, dev, ipc: None, mrs, closeq, gpu: dev.and(gpu) }
     }
 
     pub fn desc(&self, rail: usize) -> *mut c_void {
@@ -97,6 +99,7 @@ impl LocalMem {
             len: self.len,
             dev_id: self.dev_id,
             keys: self.keys.clone(),
+            ipc: self.ipc.clone(),
         }
     }
 

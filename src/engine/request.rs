@@ -44,6 +44,10 @@ pub enum SegKind {
     DevToDev { ctx: crate::cuda::Context },
     /// Loopback where either side is device memory (copy through the CUDA driver).
     LocalDev { local: Option<super::gpu::DeviceMem>, remote: Option<super::gpu::DeviceMem> },
+    /// A same-host peer's memory addressable here (`raddr` is an address of this process):
+    /// one copy by the initiator, on the GPU under `ctx`, or memcpy where both sides are
+    /// host memory (module direct).
+    Direct { ctx: Option<crate::cuda::Context> },
 }
 
 pub enum Target {
@@ -93,6 +97,8 @@ pub struct Request {
     st: Mutex<ReqState>,
     _local: Vec<Arc<LocalMem>>,
     _remote: Vec<Arc<RemoteMem>>,
+    /// Peers' memory the direct segments use (IPC mappings, same-process registrations).
+    pub keeps: Vec<super::direct::Keep>,
 }
 
 impl Request {
@@ -119,6 +125,7 @@ impl Request {
             }),
             _local: local,
             _remote: remote,
+            keeps: Vec::new(),
         }
     }
 

@@ -164,15 +164,40 @@ pub struct MemDesc {
     pub len: u64,
     pub dev_id: u64,
     pub keys: Vec<u64>,
+    /// Device memory that same-host peers may open directly (flags bit 2).
+    pub ipc: Option<IpcDesc>,
+}
+
+/// Memory-descriptor flag: an [`IpcDesc`] block follows the keys.
+const MEM_FLAG_IPC: u8 = 4;
+const MEM_FLAGS_KNOWN: u8 = 1 | 2 | MEM_FLAG_IPC;
+/// Kind of handle in an [`IpcDesc`]: the driver's legacy IPC handle (cuIpcGetMemHandle).
+pub const IPC_KIND_LEGACY: u8 = 1;
+pub const IPC_HANDLE_LEN: usize = 64;
+
+/// How a same-host peer opens the device allocation holding a registration: the device's
+/// UUID (ordinals differ between processes), the allocation's range in the owner's address
+/// space (the handle maps the whole allocation), and the handle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IpcDesc {
+    pub kind: u8,
+    pub device_uuid: [u8; 16],
+    pub alloc_base: u64,
+    pub alloc_len: u64,
+    pub handle: [u8; IPC_HANDLE_LEN],
 }
 
 impl MemDesc {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
-        w.bytes(MEM_MAGIC).u16(MEM_VERSION).u8(self.mem_type).u8(self.virt_addr as u8 | (self.staged as u8) << 1);
+        let flags = self.virt_addr as u8 | (self.staged as u8) << 1 | if self.ipc.is_some() { MEM_FLAG_IPC } else { 0 };
+        w.bytes(MEM_MAGIC).u16(MEM_VERSION).u8(self.mem_type).u8(flags);
         w.u64(self.engine_id).u64(self.base).u64(self.len).u64(self.dev_id).u16(self.keys.len() as u16);
         for k in &self.keys {
             w.u64(*k);
+        }
+        if let Some(i) = &self.ipc {
+            w.u8(i.kind).bytes(&i.device_uuid).u64(i.alloc_base).u64(i.alloc_len).bytes(&i.handle);
         }
         w.0
     }
@@ -186,7 +211,7 @@ impl MemDesc {
         }
         let mem_type = r.u8("memory type")?;
         let flags = r.u8("flags")?;
-        if flags > 3 {
+        if flags & !MEM_FLAGS_KNOWN != 0 {
             return Err(Error::Malformed { what: "memory descriptor", why: format!("unknown flags {flags:#x}") });
         }
         let engine_id = r.u64("engine id")?;
@@ -204,8 +229,31 @@ impl MemDesc {
         for _ in 0..n {
             keys.push(r.u64("key")?);
         }
+        let ipc = if flags & MEM_FLAG_IPC != 0 {
+            let bad = |why: String| Error::Malformed { what: "memory descriptor", why };
+            let kind = r.u8("IPC handle kind")?;
+            if kind != IPC_KIND_LEGACY {
+                return Err(bad(format!("unknown IPC handle kind {kind}")));
+            }
+            if mem_type != 1 {
+                return Err(bad(format!("IPC handle on memory type {mem_type} (only VRAM has one)")));
+            }
+            let device_uuid: [u8; 16] = r.take(16, "device UUID")?.try_into().expect("16");
+            let alloc_base = r.u64("allocation base")?;
+            let alloc_len = r.u64("allocation length")?;
+            let handle: [u8; IPC_HANDLE_LEN] = r.take(IPC_HANDLE_LEN, "IPC handle")?.try_into().expect("64");
+            let inside = alloc_base.checked_add(alloc_len).is_some_and(|end| base >= alloc_base && base + len <= end);
+            if !inside {
+                return Err(bad(format!(
+                    "registration [{base:#x}, +{len}) is not inside its allocation [{alloc_base:#x}, +{alloc_len})"
+                )));
+            }
+            Some(IpcDesc { kind, device_uuid, alloc_base, alloc_len, handle })
+        } else {
+            None
+        };
         r.finish()?;
-        Ok(MemDesc { mem_type, virt_addr: flags & 1 != 0, staged: flags & 2 != 0, engine_id, base, len, dev_id, keys })
+        Ok(MemDesc { mem_type, virt_addr: flags & 1 != 0, staged: flags & 2 != 0, engine_id, base, len, dev_id, keys, ipc })
     }
 }
 
@@ -392,7 +440,7 @@ mod tests {
 
     #[test]
     fn mem_round_trip_and_overflow() {
-        let m = MemDesc { mem_type: 0, virt_addr: true, staged: true, engine_id: 1, base: 4096, len: 100, dev_id: 0, keys: vec![5, 6] };
+        let m = MemDesc { mem_type: 0, virt_addr: true, staged: true, engine_id: 1, base: 4096, len: 100, dev_id: 0, keys: vec![5, 6], ipc: None };
         let b = m.encode();
         assert_eq!(MemDesc::decode(&b).unwrap(), m);
         for n in 0..b.len() {
@@ -400,6 +448,29 @@ mod tests {
         }
         let bad = MemDesc { base: u64::MAX, ..m }.encode();
         assert!(MemDesc::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn mem_ipc_block_round_trip_and_checks() {
+        let ipc = IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: [7; 16], alloc_base: 4096, alloc_len: 8192, handle: [9; IPC_HANDLE_LEN] };
+        let m = MemDesc { mem_type: 1, virt_addr: true, staged: true, engine_id: 1, base: 8192, len: 4096, dev_id: 0, keys: vec![0], ipc: Some(ipc.clone()) };
+        let b = m.encode();
+        assert_eq!(MemDesc::decode(&b).unwrap(), m);
+        for n in 0..b.len() {
+            assert!(MemDesc::decode(&b[..n]).is_err(), "truncated at {n}");
+        }
+        // Outside its allocation, on DRAM, an unknown handle kind, an overflowing range.
+        for bad in [
+            MemDesc { len: 4097, ..m.clone() },
+            MemDesc { mem_type: 0, ..m.clone() },
+            MemDesc { ipc: Some(IpcDesc { kind: 2, ..ipc.clone() }), ..m.clone() },
+            MemDesc { ipc: Some(IpcDesc { alloc_len: u64::MAX, ..ipc.clone() }), ..m.clone() },
+        ] {
+            assert!(MemDesc::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+        let mut unknown = b.clone();
+        unknown[7] |= 8;
+        assert!(MemDesc::decode(&unknown).is_err());
     }
 
     #[test]

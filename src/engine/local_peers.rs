@@ -1,0 +1,147 @@
+//! Peers that need no network to reach their memory: engines of this same process, whose
+//! registrations are addressable here as they are, and processes of this host, whose
+//! liveness a pidfd tells (pidfd_open needs no ptrace permission, unlike CMA, which
+//! Ubuntu's Yama ptrace_scope=1 refuses between unrelated processes).
+use super::registry::{LocalMem, MemKind};
+use super::wire::ConnInfo;
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
+
+/// What this process knows of one of its engines: the token it publishes (so a peer that
+/// claims to be in this process is checked) and every live registration.
+pub struct ProcessView {
+    engine_id: u64,
+    token: [u8; 16],
+    regions: Mutex<BTreeMap<(u64, u64), Weak<LocalMem>>>,
+    seq: AtomicU64,
+}
+
+/// The engines alive in this process, by engine id.
+static VIEWS: LazyLock<Mutex<HashMap<u64, Weak<ProcessView>>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+impl ProcessView {
+    /// Publishes an engine; withdrawn when the returned view is dropped.
+    pub fn publish(engine_id: u64, token: [u8; 16]) -> Arc<ProcessView> {
+        let v = Arc::new(ProcessView { engine_id, token, regions: Mutex::new(BTreeMap::new()), seq: AtomicU64::new(0) });
+        VIEWS.lock().unwrap_or_else(|p| p.into_inner()).insert(engine_id, Arc::downgrade(&v));
+        v
+    }
+
+    pub fn add(&self, m: &Arc<LocalMem>) {
+        let mut r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        r.retain(|_, w| w.strong_count() > 0);
+        r.insert((m.base, self.seq.fetch_add(1, Ordering::Relaxed)), Arc::downgrade(m));
+    }
+
+    /// The live registration of `kind` holding all of `[addr, addr+len)`, if any. Looks at
+    /// the few registrations that start at or below `addr`, nearest first.
+    pub fn find(&self, addr: u64, len: u64, kind: MemKind) -> Option<Arc<LocalMem>> {
+        let r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        r.range(..=(addr, u64::MAX))
+            .rev()
+            .take(16)
+            .filter_map(|(_, w)| w.upgrade())
+            .find(|m| m.kind == kind && m.check(addr, len, "").is_ok())
+    }
+}
+
+impl Drop for ProcessView {
+    fn drop(&mut self) {
+        let mut v = VIEWS.lock().unwrap_or_else(|p| p.into_inner());
+        if v.get(&self.engine_id).is_some_and(|w| w.strong_count() == 0) {
+            v.remove(&self.engine_id);
+        }
+    }
+}
+
+/// The view of the engine `info` describes, when it lives in this process and publishes the
+/// token its connection info names.
+pub fn same_process(info: &ConnInfo) -> Option<Weak<ProcessView>> {
+    let p = info.process.as_ref()?;
+    if p.pid != std::process::id() {
+        return None;
+    }
+    let views = VIEWS.lock().unwrap_or_else(|p| p.into_inner());
+    let v = views.get(&info.engine_id)?.upgrade()?;
+    (v.token == p.token).then(|| Arc::downgrade(&v))
+}
+
+/// A process of this host watched through a pidfd: readable once the process has exited.
+pub struct PidFd(OwnedFd);
+
+impl PidFd {
+    pub fn open(pid: u32) -> Option<PidFd> {
+        // SAFETY: pidfd_open takes a pid and flags, no pointers; it returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: fd is a new descriptor that nothing else owns.
+        Some(PidFd(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
+    }
+
+    /// Whether the process has exited (one non-blocking poll).
+    pub fn exited(&self) -> bool {
+        let mut p = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+    }
+}
+
+/// How an engine reaches a peer's memory without the network, if it can.
+pub enum Locality {
+    /// Another host, or nothing known: only the rails.
+    Remote,
+    /// Another process of this host (watched when a pidfd could be opened).
+    SameHost(Option<PidFd>),
+    /// An engine of this process.
+    SameProcess(Weak<ProcessView>),
+}
+
+impl Locality {
+    pub fn of(info: &ConnInfo, same_host: bool) -> Locality {
+        if !same_host {
+            return Locality::Remote;
+        }
+        if let Some(v) = same_process(info) {
+            return Locality::SameProcess(v);
+        }
+        Locality::SameHost(info.process.as_ref().and_then(|p| PidFd::open(p.pid)))
+    }
+
+    /// False once the peer is known to be gone (its process exited, or its engine in this
+    /// process was destroyed).
+    pub fn alive(&self) -> bool {
+        match self {
+            Locality::Remote | Locality::SameHost(None) => true,
+            Locality::SameHost(Some(fd)) => !fd.exited(),
+            Locality::SameProcess(v) => v.strong_count() > 0,
+        }
+    }
+
+    pub fn watched(&self) -> bool {
+        matches!(self, Locality::SameHost(Some(_)) | Locality::SameProcess(_))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pidfd_sees_a_child_exit() {
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().expect("spawn sleep");
+        let fd = PidFd::open(child.id()).expect("pidfd_open");
+        assert!(!fd.exited());
+        child.kill().expect("kill");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !fd.exited() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(fd.exited());
+        let _ = child.wait();
+    }
+}
