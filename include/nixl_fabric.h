@@ -84,6 +84,8 @@ typedef struct {
   // Batched copy calls (cuMemcpyBatchAsync) and single copy calls of direct transfers.
   uint64_t gpu_batch_calls;
   uint64_t gpu_copy_calls;
+  // Launches of the gather-copy kernel (many device-to-device ranges per launch).
+  uint64_t gpu_kernel_launches;
 } nf_counters;
 
 // Per-rail counters.

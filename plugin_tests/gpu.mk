@@ -34,7 +34,7 @@ gpu-bundle: build $(GPU_HARNESS)
 	cp "$$($(CARGO) test --$(PROFILE) --lib --no-run 2>&1 | sed -n 's/.*(\(.*target\/$(PROFILE)\/deps\/nixl_fabric-[0-9a-f]*\)).*/\1/p' | head -1)" $(GPU_BUNDLE)/bin/unit-tests
 	cp $(LIB) $(GPU_BUNDLE)/plugins/libplugin_LIBFABRIC.so
 	strip --strip-debug $(GPU_BUNDLE)/bin/* $(GPU_BUNDLE)/plugins/*
-	cp tests/gpu/run-gpu.sh tests/gpu/agent_vram.py $(GPU_BUNDLE)/
+	cp tests/gpu/*.py tests/gpu/*.sh $(GPU_BUNDLE)/
 	test -f $(GPU_BUNDLE)/nixl-cu13.tar.xz || bash ../shared/tools/nixl-runtime.sh $(GPU_BUNDLE)/nixl-cu13.tar.xz 3.12 1.5.1 nixl-cu13
 	test -n "$$(ls $(GPU_BUNDLE)/numpy-*.whl 2>/dev/null)" || python3 -m pip download -q --no-deps --only-binary=:all: \
 	  --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 -d $(GPU_BUNDLE) numpy

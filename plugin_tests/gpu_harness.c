@@ -7,12 +7,18 @@
  * time, like the plugin itself.
  *
  *   gpu_harness                 all tests; ends with "N passed, M failed"
- *   gpu_harness target FD       (internal) the target process of the two-process tests
+ *   gpu_harness target FD LOG [LEN]
+ *                               (internal) the target process of the two-process tests:
+ *                               VRAM and DRAM of LEN bytes (default 8 MiB + 3), driven by
+ *                               the commands described at target_process
  */
 #include "harness.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -40,6 +46,12 @@ static struct {
     CUresult (*dtoh)(void *, CUdeviceptr, size_t);
     CUresult (*memset8)(CUdeviceptr, unsigned char, size_t);
     CUresult (*sync)(void);
+    /* Hooks of the stand-in driver (src/cuda/mock_cuda.c); NULL with a real libcuda, and
+     * then the checks that need them are skipped with a note. */
+    int (*mock_ipc_open_count)(void);
+    long (*mock_batch_calls)(void);
+    long (*mock_copy_calls)(void);
+    long (*mock_kernel_launches)(void);
 } cu;
 
 static CUcontext g_primary;
@@ -81,6 +93,11 @@ static bool cu_load(void) {
     SYM(dtoh, "cuMemcpyDtoH_v2");
     SYM(memset8, "cuMemsetD8_v2");
     SYM(sync, "cuCtxSynchronize");
+    /* The same handle the plugin got: dlopen of one path yields one instance. */
+    SYM(mock_ipc_open_count, "mock_ipc_open_count");
+    SYM(mock_batch_calls, "mock_batch_calls");
+    SYM(mock_copy_calls, "mock_copy_calls");
+    SYM(mock_kernel_launches, "mock_kernel_launches");
 #undef SYM
     return cu.init && cu.mem_alloc && cu.htod && cu.dtoh && cu.primary_retain;
 }
@@ -358,26 +375,107 @@ static void suite_reapply_cost(void) {
 
 /* ---- two processes ---------------------------------------------------------------------- */
 
-/* Target: VRAM registered, its descriptor and conn info sent to the parent; then it
- * answers "check SEED" messages by verifying its VRAM, until "quit". */
-static int target_process(int fd) {
+/* ---- regions of a buffer -------------------------------------------------------------- */
+
+/* `count` blocks of `len` bytes, the k-th at off + k * stride. Block k holds the pattern of
+ * seed + k (seed + count-1-k with `rev`), so scattered and reordered descriptors are checked
+ * block by block without a reference copy. */
+typedef struct {
+    size_t off, len, stride, count;
+} blocks_t;
+
+static bool blocks_fit(const blocks_t *k, size_t total) {
+    return k->count > 0 && k->len > 0 && k->off + (k->count - 1) * k->stride + k->len <= total;
+}
+
+static uint64_t block_seed(const blocks_t *k, uint64_t seed, size_t i, bool rev) { return seed + (rev ? k->count - 1 - i : i); }
+
+static void blocks_fill(uint8_t *base, const blocks_t *k, uint64_t seed, bool rev) {
+    for (size_t i = 0; i < k->count; i++)
+        fill_pattern(base + k->off + i * k->stride, k->len, block_seed(k, seed, i, rev));
+}
+
+/* First bad byte as (block, offset in block); false when all match. */
+static bool blocks_bad(const uint8_t *base, const blocks_t *k, uint64_t seed, bool rev, size_t *blk, size_t *at) {
+    for (size_t i = 0; i < k->count; i++) {
+        size_t d = verify_pattern(base + k->off + i * k->stride, k->len, block_seed(k, seed, i, rev));
+        if (d != SIZE_MAX) {
+            *blk = i;
+            *at = d;
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool blocks_nonzero(const uint8_t *base, const blocks_t *k, size_t *blk, size_t *at) {
+    for (size_t i = 0; i < k->count; i++) {
+        const uint8_t *b = base + k->off + i * k->stride;
+        for (size_t j = 0; j < k->len; j++)
+            if (b[j]) {
+                *blk = i;
+                *at = j;
+                return true;
+            }
+    }
+    return false;
+}
+
+/* The whole buffer as host bytes (a copy for VRAM, the buffer itself for DRAM). */
+static uint8_t *buf_get(buf_t *b) {
+    if (!b->vram)
+        return b->host;
+    uint8_t *tmp = xalloc(b->len);
+    CU(cu.ctx_set(b->ctx));
+    CU(cu.dtoh(tmp, b->dptr, b->len));
+    return tmp;
+}
+
+/* Writes back what buf_get returned (nothing to do for DRAM) and frees it. */
+static void buf_put(buf_t *b, uint8_t *tmp, bool write) {
+    if (!b->vram)
+        return;
+    if (write) {
+        CU(cu.ctx_set(b->ctx));
+        CU(cu.htod(b->dptr, tmp, b->len));
+    }
+    free(tmp);
+}
+
+/* ---- two processes ---------------------------------------------------------------------- */
+
+/* Target: VRAM and DRAM of LEN bytes registered; it sends the parent, in this order, its conn
+ * info, the VRAM descriptor, the VRAM address (8 bytes), the DRAM descriptor, the DRAM
+ * address (8 bytes), then loads the parent's conn info (the next message) under "p". Then
+ * it answers commands (NUL-terminated text, one reply each) until "quit" or EOF:
+ *   check SEED                             whole VRAM holds pattern SEED? reply "y" / "n"
+ *   fill B SEED OFF LEN STRIDE COUNT       buffer B (v = VRAM, d = DRAM): block k at
+ *                                          OFF + k*STRIDE, LEN bytes, gets pattern SEED+k;
+ *                                          reply "y"
+ *   blocks B SEED OFF LEN STRIDE COUNT     do those blocks hold those patterns? reply "y",
+ *                                          or "n block K offset X" for the first bad byte
+ *   zeros B OFF LEN STRIDE COUNT           are those blocks all zero? "y" / "n block K offset X"
+ *   zero B                                 zero the whole buffer; reply "y"
+ * A malformed command is answered "n malformed: ..." and the target goes on. */
+static int target_process(int fd, size_t len) {
     g_quiet = true;
     hx_mode m = {gpu_prov(), true};
     int s = 0;
     nf_engine *e = hx_engine("t", &m, 20000, &s);
     if (!e || !cu_setup())
         return 2;
-    size_t len = (8 << 20) + 3;
-    buf_t v;
-    if (!buf_make(&v, e, true, len, g_primary))
+    buf_t bufs[2];
+    if (!buf_make(&bufs[0], e, true, len, g_primary) || !buf_make(&bufs[1], e, false, len, NULL))
         return 2;
-    nf_blob ci = {0}, pd = {0};
+    nf_blob ci = {0}, pd[2] = {{0}, {0}};
     nf_engine_conn_info(e, &ci);
-    nf_mem_public_data(e, v.mem, &pd);
-    uint64_t addr = buf_addr(&v);
     msg_send(fd, ci.data, ci.len);
-    msg_send(fd, pd.data, pd.len);
-    msg_send(fd, &addr, sizeof addr);
+    for (int i = 0; i < 2; i++) {
+        uint64_t addr = buf_addr(&bufs[i]);
+        nf_mem_public_data(e, bufs[i].mem, &pd[i]);
+        msg_send(fd, pd[i].data, pd[i].len);
+        msg_send(fd, &addr, sizeof addr);
+    }
     size_t n = 0;
     uint8_t *peer = msg_recv(fd, &n, 60);
     if (!peer || nf_engine_load_conn_info(e, "p", peer, n) != NF_SUCCESS)
@@ -385,16 +483,54 @@ static int target_process(int fd) {
     free(peer);
     for (;;) {
         uint8_t *cmd = msg_recv(fd, &n, 120);
-        if (!cmd || strcmp((char *)cmd, "quit") == 0)
+        if (!cmd || strcmp((char *)cmd, "quit") == 0) {
+            free(cmd);
             break;
-        uint64_t seed = strtoull((char *)cmd + 6, NULL, 10);
-        char ok = buf_verify(&v, seed) == SIZE_MAX ? 'y' : 'n';
-        msg_send(fd, &ok, 1);
+        }
+        char verb[16] = "", which = 0;
+        uint64_t seed = 0;
+        blocks_t k = {0};
+        char reply[128] = "y";
+        int got = sscanf((char *)cmd, "%15s", verb);
+        buf_t *b = NULL;
+        if (got == 1 && strcmp(verb, "check") == 0) {
+            seed = strtoull((char *)cmd + 6, NULL, 10);
+            if (buf_verify(&bufs[0], seed) != SIZE_MAX)
+                strcpy(reply, "n");
+        } else if (got == 1 && (strcmp(verb, "fill") == 0 || strcmp(verb, "blocks") == 0) &&
+                   sscanf((char *)cmd, "%*s %c %" SCNu64 " %zu %zu %zu %zu", &which, &seed, &k.off, &k.len, &k.stride, &k.count) == 6 &&
+                   (which == 'v' || which == 'd') && blocks_fit(&k, len)) {
+            b = &bufs[which == 'd'];
+            uint8_t *h = buf_get(b);
+            size_t blk = 0, at = 0;
+            if (verb[0] == 'f')
+                blocks_fill(h, &k, seed, false);
+            else if (blocks_bad(h, &k, seed, false, &blk, &at))
+                snprintf(reply, sizeof reply, "n block %zu offset %zu", blk, at);
+            buf_put(b, h, verb[0] == 'f');
+        } else if (got == 1 && strcmp(verb, "zeros") == 0 &&
+                   sscanf((char *)cmd, "%*s %c %zu %zu %zu %zu", &which, &k.off, &k.len, &k.stride, &k.count) == 5 &&
+                   (which == 'v' || which == 'd') && blocks_fit(&k, len)) {
+            b = &bufs[which == 'd'];
+            uint8_t *h = buf_get(b);
+            size_t blk = 0, at = 0;
+            if (blocks_nonzero(h, &k, &blk, &at))
+                snprintf(reply, sizeof reply, "n block %zu offset %zu", blk, at);
+            buf_put(b, h, false);
+        } else if (got == 1 && strcmp(verb, "zero") == 0 && sscanf((char *)cmd, "%*s %c", &which) == 1 &&
+                   (which == 'v' || which == 'd')) {
+            buf_zero(&bufs[which == 'd']);
+        } else {
+            snprintf(reply, sizeof reply, "n malformed: %.100s", (char *)cmd);
+        }
+        msg_send(fd, reply, strlen(reply) + 1);
         free(cmd);
     }
-    buf_free(&v, e);
+    buf_free(&bufs[0], e);
+    buf_free(&bufs[1], e);
     nf_blob_free(&ci);
-    nf_blob_free(&pd);
+    nf_blob_free(&pd[0]);
+    nf_blob_free(&pd[1]);
     nf_engine_destroy(e);
     return 0;
 }
@@ -419,9 +555,14 @@ static void suite_two_processes(bool skip_reapply, bool local_vram) {
     hx_mode m = {gpu_prov(), true};
     int s = 0;
     nf_engine *e = hx_engine("p", &m, 20000, &s);
-    size_t n1 = 0, n2 = 0, n3 = 0;
+    size_t n1 = 0, n2 = 0, n3 = 0, n4 = 0, n5 = 0;
     uint8_t *ci = msg_recv(sv[0], &n1, 60), *pd = msg_recv(sv[0], &n2, 60), *ap = msg_recv(sv[0], &n3, 60);
-    if (!check(e && ci && pd && ap && n3 == 8, "target process ready")) {
+    /* The target's DRAM descriptor and address: not used here. */
+    uint8_t *dpd = msg_recv(sv[0], &n4, 60), *dap = msg_recv(sv[0], &n5, 60);
+    bool ready = e && ci && pd && ap && n3 == 8 && dpd && dap && n5 == 8;
+    free(dpd);
+    free(dap);
+    if (!check(ready, "target process ready")) {
         wait_child(pid, 10);
         return;
     }
@@ -486,6 +627,758 @@ static void suite_two_processes(bool skip_reapply, bool local_vram) {
     close(sv[0]);
 }
 
+/* ---- same-host GPU memory: CUDA IPC between processes, direct copies in one (issue 12) -- */
+
+/* The GPU-path counters at the end of nf_counters. */
+typedef struct {
+    uint64_t direct, opens, closes, batch, copy, kernel;
+} gpuc_t;
+
+static gpuc_t gpuc(nf_engine *e) {
+    nf_counters c;
+    memset(&c, 0, sizeof c);
+    nf_engine_counters(e, &c);
+    return (gpuc_t){c.gpu_direct_bytes, c.gpu_ipc_opens, c.gpu_ipc_closes, c.gpu_batch_calls, c.gpu_copy_calls, c.gpu_kernel_launches};
+}
+
+static bool g_mock; /* the stand-in driver's hooks are there */
+
+static int mock_open_count(void) { return cu.mock_ipc_open_count ? cu.mock_ipc_open_count() : -1; }
+
+/* Environment of the IPC suite: engines read NIXL_FABRIC_* at creation (the Makefile exports
+ * NIXL_FABRIC_SAME_HOST_SHM=false for the network tests; IPC needs it on). The stand-in
+ * driver reads its MOCK_CUDA_* switches at every call, so those stay set for the whole
+ * life of the engine they are meant for, and are changed only while no engine of this
+ * process runs (setenv beside another thread's getenv is not safe). */
+static char g_saved_shm[16];
+static bool g_had_shm;
+
+static void ipc_env_begin(void) {
+    const char *v = getenv("NIXL_FABRIC_SAME_HOST_SHM");
+    g_had_shm = v != NULL;
+    snprintf(g_saved_shm, sizeof g_saved_shm, "%s", v ? v : "");
+    setenv("NIXL_FABRIC_SAME_HOST_SHM", "true", 1);
+    setenv("NIXL_FABRIC_GPU_IPC", "true", 1);
+}
+
+static void ipc_env_end(void) {
+    if (g_had_shm)
+        setenv("NIXL_FABRIC_SAME_HOST_SHM", g_saved_shm, 1);
+    else
+        unsetenv("NIXL_FABRIC_SAME_HOST_SHM");
+    unsetenv("NIXL_FABRIC_GPU_IPC");
+}
+
+/* Waits for r up to limit_s (a bound of its own, shorter than the harness default where a
+ * case promises a deadline). The progress thread is on for every engine here. */
+static int wait_for(nf_engine *e, nf_request *r, double limit_s) {
+    double end = now_s() + limit_s;
+    for (unsigned it = 0;; it++) {
+        int s = nf_request_check(e, r);
+        if (s != NF_IN_PROG)
+            return s;
+        if (now_s() > end)
+            return HX_TIMEOUT;
+        hx_pause(it);
+    }
+}
+
+/* Release that always frees: a first call that cannot drain in time keeps the handle
+ * (NF_ERR_REPOST_ACTIVE), the second frees it regardless. */
+static void req_release(nf_engine *e, nf_request *r) {
+    if (r && nf_request_release(e, r) == NF_ERR_REPOST_ACTIVE)
+        nf_request_release(e, r);
+}
+
+/* One request of n pairs with peer "t", posted once and waited for up to limit_s; released. */
+static int xfer(nf_engine *e, const char *peer, int op, const nf_xfer_desc *ld, const nf_xfer_desc *rd, size_t n, double limit_s) {
+    nf_request *req = NULL;
+    int s = nf_request_create(e, op, ld, rd, n, peer, &req);
+    if (s != NF_SUCCESS)
+        return s;
+    s = nf_request_post(e, req, NULL, 0, false);
+    if (s == NF_IN_PROG)
+        s = wait_for(e, req, limit_s);
+    req_release(e, req);
+    return s;
+}
+
+static const char *opname(int op) { return op == NF_OP_WRITE ? "WRITE" : "READ"; }
+
+/* A target process (target_process) seen from the parent. */
+typedef struct {
+    int pid, fd;
+    size_t len;
+    uint8_t *ci, *pd[2]; /* [0] VRAM, [1] DRAM */
+    size_t ci_len, pd_len[2];
+    uint64_t addr[2];
+    char log[80];
+    char why[128]; /* detail of the last "n" reply */
+} tgt_t;
+
+static void tgt_free(tgt_t *t) {
+    free(t->ci);
+    free(t->pd[0]);
+    free(t->pd[1]);
+    t->ci = t->pd[0] = t->pd[1] = NULL;
+    if (t->fd >= 0)
+        close(t->fd);
+    t->fd = -1;
+    if (t->log[0])
+        unlink(t->log);
+    t->log[0] = 0;
+}
+
+/* Prints the target's log (its engine's error lines) after a failure there. */
+static void tgt_show_log(const tgt_t *t) {
+    FILE *f = t->log[0] ? fopen(t->log, "r") : NULL;
+    char line[512];
+    for (int i = 0; f && i < 30 && fgets(line, sizeof line, f); i++)
+        printf("  target log: %s", line);
+    if (f)
+        fclose(f);
+}
+
+/* Spawns a target with VRAM and DRAM of len bytes and reads what it announces (bounded). */
+static bool tgt_start(tgt_t *t, size_t len) {
+    static int serial;
+    memset(t, 0, sizeof *t);
+    t->fd = -1;
+    t->pid = -1;
+    t->len = len;
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+        return check(false, "socketpair for a target process");
+    char fdarg[16], lenarg[24];
+    snprintf(fdarg, sizeof fdarg, "%d", sv[1]);
+    snprintf(lenarg, sizeof lenarg, "%zu", len);
+    snprintf(t->log, sizeof t->log, "/tmp/nf-gpu-ipc-target-%d-%d.log", (int)getpid(), serial++);
+    char *argv[] = {"gpu_harness", "target", fdarg, t->log, lenarg, NULL};
+    t->pid = spawn_self(argv, sv[1]);
+    close(sv[1]);
+    t->fd = sv[0];
+    if (t->pid < 0) {
+        tgt_free(t);
+        return check(false, "spawn a target process");
+    }
+    size_t al[2] = {0, 0};
+    uint8_t *ap[2] = {NULL, NULL};
+    t->ci = msg_recv(t->fd, &t->ci_len, 60);
+    for (int i = 0; i < 2; i++) {
+        t->pd[i] = msg_recv(t->fd, &t->pd_len[i], 60);
+        ap[i] = msg_recv(t->fd, &al[i], 60);
+        if (ap[i] && al[i] == 8)
+            memcpy(&t->addr[i], ap[i], 8);
+    }
+    bool ok = t->ci && t->pd[0] && t->pd[1] && ap[0] && ap[1] && al[0] == 8 && al[1] == 8;
+    free(ap[0]);
+    free(ap[1]);
+    if (!ok) {
+        check(false, "target process (pid %d) announces its conn info and descriptors within 60 s", t->pid);
+        tgt_show_log(t);
+        wait_child(t->pid, 5);
+        t->pid = -1;
+        tgt_free(t);
+    }
+    return ok;
+}
+
+/* Our conn info to the target, its conn info into e as "t". */
+static bool tgt_connect(tgt_t *t, nf_engine *e) {
+    nf_blob mine = {0};
+    nf_engine_conn_info(e, &mine);
+    bool sent = msg_send(t->fd, mine.data, mine.len);
+    nf_blob_free(&mine);
+    int s = nf_engine_load_conn_info(e, "t", t->ci, t->ci_len);
+    return check(sent && s == NF_SUCCESS, "parent and target (pid %d) exchange conn info: %s", t->pid, st_name(s));
+}
+
+/* One command; true when the target answered "y" (t->why holds the detail otherwise). */
+static bool tgt_cmd(tgt_t *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static bool tgt_cmd(tgt_t *t, const char *fmt, ...) {
+    char cmd[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    snprintf(t->why, sizeof t->why, "no reply to '%s' within 60 s", cmd);
+    if (t->fd < 0 || !msg_send(t->fd, cmd, strlen(cmd) + 1))
+        return false;
+    size_t n = 0;
+    uint8_t *r = msg_recv(t->fd, &n, 60);
+    if (!r)
+        return false;
+    bool ok = r[0] == 'y';
+    snprintf(t->why, sizeof t->why, "%s", ok ? "" : (char *)r);
+    free(r);
+    return ok;
+}
+
+static bool tgt_quit(tgt_t *t) {
+    if (t->pid < 0)
+        return true;
+    msg_send(t->fd, "quit", 5);
+    int ws = wait_child(t->pid, 30);
+    t->pid = -1;
+    bool ok = ws >= 0 && WIFEXITED(ws) && WEXITSTATUS(ws) == 0;
+    if (!ok)
+        tgt_show_log(t);
+    tgt_free(t);
+    return check(ok, "target process exited 0");
+}
+
+static void tgt_kill(tgt_t *t) {
+    if (t->pid > 0) {
+        kill(t->pid, SIGKILL);
+        wait_child(t->pid, 10);
+    }
+    t->pid = -1;
+    tgt_free(t);
+}
+
+/* The parent side of a two-process case: engine "p", a target "t" and its two descriptors. */
+typedef struct {
+    tgt_t t;
+    nf_engine *e;
+    nf_rmem *rm[2]; /* [0] the target's VRAM, [1] its DRAM */
+} sess_t;
+
+static bool sess_load(sess_t *x) {
+    for (int i = 0; i < 2; i++) {
+        x->rm[i] = NULL;
+        int s = nf_rmem_load(x->e, "t", x->t.pd[i], x->t.pd_len[i], &x->rm[i]);
+        if (!check_st(s, NF_SUCCESS, "load the target's %s descriptor", i ? "DRAM" : "VRAM"))
+            return false;
+    }
+    return true;
+}
+
+/* Spawns the target (environment as it is now), then sets `key`=`val` (if key) for the
+ * parent alone, creates the parent's engine, and with `unset_after` takes the key away
+ * right after the creation (switches read at engine creation). */
+static bool sess_open(sess_t *x, size_t tlen, uint64_t timeout_ms, const char *key, const char *val, bool unset_after) {
+    memset(x, 0, sizeof *x);
+    if (!tgt_start(&x->t, tlen))
+        return false;
+    if (key)
+        setenv(key, val, 1);
+    hx_mode m = {gpu_prov(), true};
+    int s = 0;
+    x->e = hx_engine("p", &m, timeout_ms, &s);
+    if (key && unset_after)
+        unsetenv(key);
+    if (!check(x->e != NULL, "parent engine (same_host_shm, gpu_ipc%s%s%s%s): %s", key ? ", " : "", key ? key : "", key ? "=" : "",
+               key ? val : "", st_name(s))) {
+        tgt_kill(&x->t);
+        return false;
+    }
+    if (!tgt_connect(&x->t, x->e) || !sess_load(x)) {
+        tgt_kill(&x->t);
+        nf_engine_destroy(x->e);
+        x->e = NULL;
+        return false;
+    }
+    return true;
+}
+
+static void sess_close(sess_t *x, bool quit) {
+    for (int i = 0; i < 2; i++)
+        if (x->rm[i])
+            nf_rmem_unload(x->e, x->rm[i]);
+    if (quit)
+        tgt_quit(&x->t);
+    else
+        tgt_kill(&x->t);
+    if (x->e)
+        nf_engine_destroy(x->e);
+    x->e = NULL;
+}
+
+/* Waits (bounded) until the mock driver has `want` IPC mappings open here and the engine
+ * reports as many closes as opens; progress is nudged meanwhile. */
+static bool wait_closed(nf_engine *e, int want, double limit_s) {
+    double end = now_s() + limit_s;
+    for (;;) {
+        gpuc_t c = gpuc(e);
+        bool mock_ok = !g_mock || mock_open_count() == want;
+        if (mock_ok && (want > 0 || c.closes == c.opens))
+            return true;
+        if (now_s() > end)
+            return false;
+        nf_engine_progress(e);
+        sleep_ms(10);
+    }
+}
+
+/* One transfer of len bytes between the parent's buffer l (at local offset loff) and the
+ * target's buffer `which` (0 VRAM, 1 DRAM) at roff; the owner of the destination checks it
+ * byte by byte, including that nothing around the range changed. Returns the
+ * gpu_direct_bytes delta through *direct (UINT64_MAX when the transfer failed). */
+static bool ipc_xfer_check(sess_t *x, int op, buf_t *l, size_t loff, int which, size_t roff, size_t len, const char *what,
+                           uint64_t *direct) {
+    tgt_t *t = &x->t;
+    char B = which ? 'd' : 'v';
+    uint64_t seed = next_seed();
+    blocks_t one_blk = {roff, len, len, 1}, mine = {loff, len, len, 1};
+    *direct = UINT64_MAX;
+    /* Sources get the pattern, destinations zeros. */
+    bool prep;
+    if (op == NF_OP_WRITE) {
+        buf_zero(l); /* then the pattern at loff */
+        uint8_t *h = buf_get(l);
+        blocks_fill(h, &mine, seed, false);
+        buf_put(l, h, true);
+        prep = tgt_cmd(t, "zero %c", B);
+    } else {
+        buf_zero(l);
+        prep = tgt_cmd(t, "zero %c", B) && tgt_cmd(t, "fill %c %" PRIu64 " %zu %zu %zu 1", B, seed, roff, len, len);
+    }
+    if (!check(prep, "%s: prepare the buffers (%s)", what, t->why))
+        return false;
+    nf_xfer_desc ld = {buf_addr(l) + loff, len, l->mem}, rd = {t->addr[which] + roff, len, x->rm[which]};
+    gpuc_t c0 = gpuc(x->e);
+    int s = xfer(x->e, "t", op, &ld, &rd, 1, wait_limit_s());
+    gpuc_t c1 = gpuc(x->e);
+    bool exact = false;
+    char detail[160] = "";
+    if (s == NF_SUCCESS && op == NF_OP_WRITE) {
+        /* The target checks the range and that the bytes before and after stay zero. */
+        exact = tgt_cmd(t, "blocks %c %" PRIu64 " %zu %zu %zu 1", B, seed, roff, len, len);
+        if (!exact)
+            snprintf(detail, sizeof detail, "range: %s", t->why);
+        if (exact && roff > 0 && !(exact = tgt_cmd(t, "zeros %c 0 %zu %zu 1", B, roff, roff)))
+            snprintf(detail, sizeof detail, "before the range: %s", t->why);
+        if (exact && roff + len < t->len && !(exact = tgt_cmd(t, "zeros %c %zu %zu %zu 1", B, roff + len, t->len - roff - len, t->len)))
+            snprintf(detail, sizeof detail, "after the range: %s", t->why);
+    } else if (s == NF_SUCCESS) {
+        uint8_t *h = buf_get(l);
+        size_t blk = 0, at = 0;
+        blocks_t before = {0, loff, loff, 1}, after = {loff + len, l->len - loff - len, l->len, 1};
+        if (blocks_bad(h, &mine, seed, false, &blk, &at))
+            snprintf(detail, sizeof detail, "first bad byte at offset %zu", at);
+        else if ((loff && blocks_nonzero(h, &before, &blk, &at)) || (after.len && blocks_nonzero(h, &after, &blk, &at)))
+            snprintf(detail, sizeof detail, "a byte outside the range changed");
+        else
+            exact = true;
+        buf_put(l, h, false);
+    }
+    *direct = s == NF_SUCCESS ? c1.direct - c0.direct : UINT64_MAX;
+    check(s == NF_SUCCESS && exact, "%s: %s, bytes %s%s%s (gpu_direct_bytes +%" PRIu64 ", ipc opens %" PRIu64 ", batch +%" PRIu64
+          ", copies +%" PRIu64 ")", what, st_name(s), exact ? "exact" : "differ", detail[0] ? ": " : "", detail, c1.direct - c0.direct,
+          c1.opens, c1.batch - c0.batch, c1.copy - c0.copy);
+    return s == NF_SUCCESS && exact;
+}
+
+/* Checks a transfer went through IPC: every byte copied directly, one open for the target's
+ * VRAM registration (however many requests used it), one mapping in the driver. */
+static void expect_ipc(sess_t *x, const char *what, size_t len, uint64_t direct, uint64_t want_opens) {
+    gpuc_t c = gpuc(x->e);
+    check(direct == len, "%s went device-direct: gpu_direct_bytes grew by %" PRIu64 " (want %zu)", what,
+          direct == UINT64_MAX ? 0 : direct, len);
+    check(c.opens == want_opens, "%s: gpu_ipc_opens %" PRIu64 " (want %" PRIu64 ": one open per remote registration, cached)", what,
+          c.opens, want_opens);
+    if (g_mock)
+        check(mock_open_count() == 1, "%s: the driver has %d IPC mapping(s) open here (want 1)", what, mock_open_count());
+}
+
+/* (a) WRITE and READ, VRAM<->VRAM, 8 MiB + 3 and 4 KiB at odd offsets; DRAM(initiator)<->VRAM
+ * through IPC as well; VRAM(initiator)->DRAM(target) may stage: bytes only. */
+static void ipc_basic(void) {
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/basic");
+    sess_t x;
+    size_t big = (8 << 20) + 3, tlen = (8 << 20) + (64 << 10);
+    if (!sess_open(&x, tlen, 20000, NULL, NULL, false))
+        return;
+    buf_t lv, ld;
+    if (buf_make(&lv, x.e, true, tlen, g_primary) && buf_make(&ld, x.e, false, tlen, NULL)) {
+        uint64_t d = 0;
+        if (ipc_xfer_check(&x, NF_OP_WRITE, &lv, 0, 0, 0, big, "WRITE VRAM -> remote VRAM 8 MiB+3", &d))
+            expect_ipc(&x, "WRITE VRAM -> remote VRAM 8 MiB+3", big, d, 1);
+        if (ipc_xfer_check(&x, NF_OP_READ, &lv, 0, 0, 0, big, "READ remote VRAM -> VRAM 8 MiB+3", &d))
+            expect_ipc(&x, "READ remote VRAM -> VRAM 8 MiB+3", big, d, 1);
+        size_t roff = 3 * 4096 + 5, loff = 777;
+        if (ipc_xfer_check(&x, NF_OP_WRITE, &lv, loff, 0, roff, 4096, "WRITE VRAM+777 -> remote VRAM+12293 4 KiB", &d))
+            expect_ipc(&x, "WRITE 4 KiB at offsets", 4096, d, 1);
+        if (ipc_xfer_check(&x, NF_OP_READ, &lv, loff, 0, roff, 4096, "READ remote VRAM+12293 -> VRAM+777 4 KiB", &d))
+            expect_ipc(&x, "READ 4 KiB at offsets", 4096, d, 1);
+        if (ipc_xfer_check(&x, NF_OP_WRITE, &ld, 0, 0, 0, big, "WRITE DRAM -> remote VRAM 8 MiB+3", &d))
+            expect_ipc(&x, "WRITE DRAM -> remote VRAM", big, d, 1);
+        if (ipc_xfer_check(&x, NF_OP_READ, &ld, 0, 0, 0, big, "READ remote VRAM -> DRAM 8 MiB+3", &d))
+            expect_ipc(&x, "READ remote VRAM -> DRAM", big, d, 1);
+        /* The target's memory is host memory here: the engine may keep staging; say which. */
+        for (int op = 0; op < 2; op++)
+            if (ipc_xfer_check(&x, op, &lv, 0, 1, 0, big, op == NF_OP_WRITE ? "WRITE VRAM -> remote DRAM 8 MiB+3" : "READ remote DRAM -> VRAM 8 MiB+3", &d))
+                info("%s VRAM(initiator) %s DRAM(target): %s (gpu_direct_bytes +%" PRIu64 ")", opname(op), op == NF_OP_WRITE ? "->" : "<-",
+                     d == big ? "device-direct" : d == 0 ? "staged" : "partly direct", d);
+        buf_free(&lv, x.e);
+        buf_free(&ld, x.e);
+    }
+    sess_close(&x, true);
+}
+
+/* (b) 256 descriptors of 64 KiB in one request: every other 64 KiB block here, every other
+ * one (the odd ones) there, in reversed order. How the engine copies them:
+ *   MANY_KERNEL   the gather kernel (a few launches for all 256)
+ *   MANY_BATCH    the driver refuses the kernel (MOCK_CUDA_NO_KERNEL): cuMemcpyBatchAsync
+ *   MANY_SINGLE   kernel off (NIXL_FABRIC_GPU_COPY_KERNEL=false) and no batch copy in the
+ *                 driver (MOCK_CUDA_NO_BATCH): single copies
+ * byte-exact every time. */
+enum { MANY_KERNEL, MANY_BATCH, MANY_SINGLE };
+static void ipc_many(int mode) {
+    static const char *const names[] = {"", "/no-kernel", "/no-batch"};
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/many%s", names[mode]);
+    bool nobatch = mode == MANY_SINGLE;
+    if (mode != MANY_KERNEL && !g_mock) {
+        skip("the stand-in driver's switches are needed");
+        return;
+    }
+    const size_t N = 256, B = 64 << 10, span = 2 * N * B;
+    sess_t x;
+    if (nobatch)
+        setenv("NIXL_FABRIC_GPU_COPY_KERNEL", "false", 1);
+    if (!sess_open(&x, span, 20000, mode == MANY_SINGLE ? "MOCK_CUDA_NO_BATCH" : mode == MANY_BATCH ? "MOCK_CUDA_NO_KERNEL" : NULL, "1", false))
+        goto out;
+    buf_t l;
+    if (buf_make(&l, x.e, true, span, g_primary)) {
+        nf_xfer_desc *ld = calloc(N, sizeof *ld), *rd = calloc(N, sizeof *rd);
+        /* Local block i at 2iB; remote block j = N-1-i at (2j+1)B. Block k of the remote
+         * side holds seed + k, so local block i holds seed + N-1-i (rev). */
+        blocks_t mine = {0, B, 2 * B, N}, gaps_mine = {B, B, 2 * B, N}, theirs = {B, B, 2 * B, N}, gaps_theirs = {0, B, 2 * B, N};
+        for (size_t i = 0; i < N; i++) {
+            ld[i] = (nf_xfer_desc){buf_addr(&l) + 2 * i * B, B, l.mem};
+            rd[i] = (nf_xfer_desc){x.t.addr[0] + (2 * (N - 1 - i) + 1) * B, B, x.rm[0]};
+        }
+        for (int op = 0; op < 2; op++) {
+            uint64_t seed = next_seed();
+            buf_zero(&l);
+            bool prep = tgt_cmd(&x.t, "zero v");
+            if (op == NF_OP_WRITE) {
+                uint8_t *h = buf_get(&l);
+                blocks_fill(h, &mine, seed, true);
+                buf_put(&l, h, true);
+            } else {
+                prep = prep && tgt_cmd(&x.t, "fill v %" PRIu64 " %zu %zu %zu %zu", seed, theirs.off, theirs.len, theirs.stride, theirs.count);
+            }
+            if (!check(prep, "prepare 256 scattered blocks (%s)", x.t.why))
+                break;
+            gpuc_t c0 = gpuc(x.e);
+            long mb0 = cu.mock_batch_calls ? cu.mock_batch_calls() : 0;
+            long mk0 = cu.mock_kernel_launches ? cu.mock_kernel_launches() : 0;
+            int s = xfer(x.e, "t", op, ld, rd, N, wait_limit_s());
+            gpuc_t c1 = gpuc(x.e);
+            long mb1 = cu.mock_batch_calls ? cu.mock_batch_calls() : 0;
+            long mk1 = cu.mock_kernel_launches ? cu.mock_kernel_launches() : 0;
+            bool exact = false;
+            char why[160] = "";
+            if (s == NF_SUCCESS && op == NF_OP_WRITE) {
+                exact = tgt_cmd(&x.t, "blocks v %" PRIu64 " %zu %zu %zu %zu", seed, theirs.off, theirs.len, theirs.stride, theirs.count);
+                if (!exact)
+                    snprintf(why, sizeof why, "blocks: %s", x.t.why);
+                else if (!(exact = tgt_cmd(&x.t, "zeros v %zu %zu %zu %zu", gaps_theirs.off, gaps_theirs.len, gaps_theirs.stride, gaps_theirs.count)))
+                    snprintf(why, sizeof why, "gaps between the blocks: %s", x.t.why);
+            } else if (s == NF_SUCCESS) {
+                uint8_t *h = buf_get(&l);
+                size_t blk = 0, at = 0;
+                if (blocks_bad(h, &mine, seed, true, &blk, &at))
+                    snprintf(why, sizeof why, "block %zu offset %zu", blk, at);
+                else if (blocks_nonzero(h, &gaps_mine, &blk, &at))
+                    snprintf(why, sizeof why, "gap %zu offset %zu changed", blk, at);
+                else
+                    exact = true;
+                buf_put(&l, h, false);
+            }
+            uint64_t db = c1.batch - c0.batch, dc = c1.copy - c0.copy, dk = c1.kernel - c0.kernel;
+            check(s == NF_SUCCESS && exact, "%s 256 x 64 KiB scattered, reversed: %s, bytes %s%s%s (kernel launches +%" PRIu64 ", batch calls +%" PRIu64 ", single copies +%" PRIu64 ")",
+                  opname(op), st_name(s), exact ? "exact at the owner" : "differ", why[0] ? ": " : "", why, dk, db, dc);
+            if (s != NF_SUCCESS)
+                continue;
+            check(c1.direct - c0.direct == N * B, "%s 256 blocks went device-direct: gpu_direct_bytes +%" PRIu64 " (want %zu)", opname(op),
+                  c1.direct - c0.direct, N * B);
+            if (mode == MANY_SINGLE)
+                check(db == 0 && dk == 0 && dc > 0, "%s with the kernel off and no batch copy in the driver: kernel +%" PRIu64 ", batch +%" PRIu64 " (want 0), single copies +%" PRIu64 " (want > 0)",
+                      opname(op), dk, db, dc);
+            else if (mode == MANY_BATCH)
+                check(dk == 0 && db > 0, "%s with the kernel refused by the driver: kernel launches +%" PRIu64 " (want 0), batch calls +%" PRIu64 " (want > 0)",
+                      opname(op), dk, db);
+            else if (g_mock)
+                check(dk > 0 && dk <= 8 && db == 0 && dc == 0, "%s 256 blocks: gather-kernel launches +%" PRIu64 " (want 1..8), batch +%" PRIu64 ", single +%" PRIu64 " (want 0)",
+                      opname(op), dk, db, dc);
+            else
+                check(dk > 0 || db > 0 || dc > 0, "%s 256 blocks: the driver copied them (kernel +%" PRIu64 ", batch +%" PRIu64 ", single +%" PRIu64 ")", opname(op), dk, db, dc);
+            info("%s 256 x 64 KiB: %s", opname(op), dk ? "gather kernel" : db ? "cuMemcpyBatchAsync" : "single copies");
+            if (g_mock) {
+                check((long)db == mb1 - mb0, "%s: the engine's gpu_batch_calls (+%" PRIu64 ") matches the driver's count (+%ld)", opname(op), db, mb1 - mb0);
+                check((long)dk == mk1 - mk0, "%s: the engine's gpu_kernel_launches (+%" PRIu64 ") matches the driver's count (+%ld)", opname(op), dk, mk1 - mk0);
+            }
+        }
+        free(ld);
+        free(rd);
+        buf_free(&l, x.e);
+    }
+    sess_close(&x, true);
+out:
+    unsetenv("MOCK_CUDA_NO_BATCH");
+    unsetenv("MOCK_CUDA_NO_KERNEL");
+    unsetenv("NIXL_FABRIC_GPU_COPY_KERNEL");
+}
+
+/* (c) Where IPC cannot be used the staging path still serves every byte: nothing direct,
+ * nothing opened. `key`=`val` is set for the parent alone. */
+static void ipc_fallback(const char *key, const char *val, const char *why) {
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/fallback-%s", why);
+    bool mock_switch = strncmp(key, "MOCK_CUDA_", 10) == 0;
+    if (mock_switch && !g_mock) {
+        skip("%s needs the stand-in driver", key);
+        return;
+    }
+    sess_t x;
+    size_t len = (8 << 20) + 3;
+    /* A mock switch is read at every driver call: it stays until the engine is gone. */
+    if (sess_open(&x, len, 20000, key, val, false)) {
+        buf_t l;
+        if (buf_make(&l, x.e, true, len, g_primary)) {
+            uint64_t d = 0;
+            for (int op = 0; op < 2; op++) {
+                char what[96];
+                snprintf(what, sizeof what, "%s VRAM %s remote VRAM with %s=%s", opname(op), op == NF_OP_WRITE ? "->" : "<-", key, val);
+                if (ipc_xfer_check(&x, op, &l, 0, 0, 0, len, what, &d))
+                    check(d == 0, "%s: staged, gpu_direct_bytes +%" PRIu64 " (want 0)", what, d);
+            }
+            gpuc_t c = gpuc(x.e);
+            check(c.opens == 0, "with %s=%s no IPC handle counted as opened (gpu_ipc_opens %" PRIu64 ")", key, val, c.opens);
+            if (g_mock)
+                check(mock_open_count() == 0, "with %s=%s the driver has no IPC mapping open here (%d)", key, val, mock_open_count());
+            buf_free(&l, x.e);
+        }
+        sess_close(&x, true);
+    }
+    unsetenv(key);
+    setenv("NIXL_FABRIC_GPU_IPC", "true", 1);
+}
+
+/* (d) Unloading the target's descriptor closes the mapping; loading it again opens anew. */
+static void ipc_unload(void) {
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/unload");
+    sess_t x;
+    size_t len = 1 << 20;
+    if (!sess_open(&x, len, 20000, NULL, NULL, false))
+        return;
+    buf_t l;
+    if (buf_make(&l, x.e, true, len, g_primary)) {
+        uint64_t d = 0;
+        if (ipc_xfer_check(&x, NF_OP_WRITE, &l, 0, 0, 0, len, "WRITE VRAM -> remote VRAM 1 MiB", &d))
+            expect_ipc(&x, "WRITE before the unload", len, d, 1);
+        /* The request is released (xfer does it); now the descriptor goes. */
+        check_st(nf_rmem_unload(x.e, x.rm[0]), NF_SUCCESS, "unload the target's VRAM descriptor");
+        x.rm[0] = NULL;
+        bool closed = wait_closed(x.e, 0, 3);
+        gpuc_t c = gpuc(x.e);
+        if (g_mock)
+            check(mock_open_count() == 0, "after the unload the driver has %d IPC mapping(s) open here (want 0, waited up to 3 s)", mock_open_count());
+        else
+            info("no mock driver: the driver's own mapping count is not checked");
+        check(closed && c.closes == c.opens && c.opens > 0, "after the unload gpu_ipc_closes %" PRIu64 " == gpu_ipc_opens %" PRIu64, c.closes, c.opens);
+        /* Loaded again: a fresh open (the old mapping is gone, so the driver accepts it). */
+        if (check_st(nf_rmem_load(x.e, "t", x.t.pd[0], x.t.pd_len[0], &x.rm[0]), NF_SUCCESS, "load the VRAM descriptor again")) {
+            if (ipc_xfer_check(&x, NF_OP_WRITE, &l, 0, 0, 0, len, "WRITE after reloading the descriptor", &d)) {
+                c = gpuc(x.e);
+                check(d == len && c.opens == 2, "after the reload: gpu_direct_bytes +%" PRIu64 " (want %zu), gpu_ipc_opens %" PRIu64 " (want 2)", d, len,
+                      c.opens);
+            }
+            nf_rmem_unload(x.e, x.rm[0]);
+            x.rm[0] = NULL;
+            closed = wait_closed(x.e, 0, 3);
+            c = gpuc(x.e);
+            check(closed && c.closes == c.opens, "after the second unload: closes %" PRIu64 ", opens %" PRIu64 ", driver mappings %d", c.closes, c.opens,
+                  mock_open_count());
+        }
+        buf_free(&l, x.e);
+    }
+    sess_close(&x, true);
+}
+
+/* (e) The target dies while its VRAM is mapped here: the next WRITE fails with
+ * REMOTE_DISCONNECT within the engine's timeout (2 s, bounded here at 10 s), the mapping is
+ * closed; then three kill/restart rounds under the same name leak no mapping. */
+static void ipc_peer_death(void) {
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/peer-death");
+    sess_t x;
+    size_t len = 1 << 20;
+    if (!sess_open(&x, len, 2000, NULL, NULL, false))
+        return;
+    buf_t l;
+    if (!buf_make(&l, x.e, true, len, g_primary)) {
+        sess_close(&x, false);
+        return;
+    }
+    uint64_t d = 0;
+    if (ipc_xfer_check(&x, NF_OP_WRITE, &l, 0, 0, 0, len, "WRITE VRAM -> remote VRAM before the kill", &d))
+        expect_ipc(&x, "WRITE before the kill", len, d, 1);
+    int dead = x.t.pid;
+    tgt_kill(&x.t);
+    nf_xfer_desc ld = {buf_addr(&l), len, l.mem}, rd = {x.t.addr[0], len, x.rm[0]};
+    double t0 = now_s();
+    int s = xfer(x.e, "t", NF_OP_WRITE, &ld, &rd, 1, 10);
+    double dt = now_s() - t0;
+    check(s == NF_ERR_REMOTE_DISCONNECT, "WRITE to the killed target (pid %d) ends with REMOTE_DISCONNECT: %s after %.2f s (engine timeout 2 s, bound 10 s)",
+          dead, st_name(s), dt);
+    if (g_mock) {
+        bool closed = wait_closed(x.e, 0, 5);
+        check(closed, "the dead target's mapping is closed: %d IPC mapping(s) open here (want 0, waited up to 5 s)", mock_open_count());
+    }
+    nf_rmem_unload(x.e, x.rm[0]);
+    nf_rmem_unload(x.e, x.rm[1]);
+    x.rm[0] = x.rm[1] = NULL;
+    int worst = 0;
+    for (int round = 1; round <= 3; round++) {
+        if (!tgt_start(&x.t, len))
+            break;
+        if (!tgt_connect(&x.t, x.e) || !sess_load(&x)) {
+            tgt_kill(&x.t);
+            break;
+        }
+        char what[64];
+        snprintf(what, sizeof what, "restart %d: WRITE VRAM -> new target's VRAM", round);
+        if (ipc_xfer_check(&x, NF_OP_WRITE, &l, 0, 0, 0, len, what, &d))
+            check(d == len, "restart %d went device-direct: gpu_direct_bytes +%" PRIu64 " (want %zu)", round, d, len);
+        int open_now = mock_open_count();
+        if (open_now > worst)
+            worst = open_now;
+        tgt_kill(&x.t);
+        nf_rmem_unload(x.e, x.rm[0]);
+        nf_rmem_unload(x.e, x.rm[1]);
+        x.rm[0] = x.rm[1] = NULL;
+    }
+    if (g_mock) {
+        check(worst <= 1, "kill/restart x3: at most %d IPC mapping(s) open at a time (want <= 1)", worst);
+        bool closed = wait_closed(x.e, 0, 5);
+        gpuc_t c = gpuc(x.e);
+        check(closed && c.closes == c.opens, "after the last kill: %d mapping(s) open, gpu_ipc_closes %" PRIu64 " == gpu_ipc_opens %" PRIu64,
+              mock_open_count(), c.closes, c.opens);
+    } else {
+        gpuc_t c = gpuc(x.e);
+        info("no mock driver: mapping counts not checked (opens %" PRIu64 ", closes %" PRIu64 ")", c.opens, c.closes);
+    }
+    buf_free(&l, x.e);
+    sess_close(&x, false);
+}
+
+/* (f) The seed regression on the new path: the initiator copies through the IPC mapping on
+ * its progress thread, which has a context only because the engine applies it. With the
+ * re-apply switched off the WRITE must fail (not time out) and the log say why; with it on
+ * the same WRITE passes. */
+static void ipc_skip_apply(bool skip_apply) {
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/reapply-%s", skip_apply ? "off" : "on");
+    sess_t x;
+    size_t len = (8 << 20) + 3;
+    if (!sess_open(&x, len, 20000, skip_apply ? "NIXL_FABRIC_DEBUG_SKIP_CTX_APPLY" : NULL, "1", true))
+        return;
+    buf_t l;
+    if (buf_make(&l, x.e, true, len, g_primary)) {
+        if (!skip_apply) {
+            uint64_t d = 0;
+            if (ipc_xfer_check(&x, NF_OP_WRITE, &l, 0, 0, 0, len, "WRITE VRAM -> remote VRAM, re-apply on", &d))
+                expect_ipc(&x, "WRITE with the re-apply on", len, d, 1);
+        } else {
+            buf_fill(&l, next_seed());
+            /* The engine logs to stderr: catch this request's lines in a file. */
+            char path[64];
+            snprintf(path, sizeof path, "/tmp/nf-gpu-ipc-parent-%d.log", (int)getpid());
+            fflush(stderr);
+            int saved = dup(2), f = open(path, O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
+            if (f >= 0 && saved >= 0)
+                dup2(f, 2);
+            nf_xfer_desc ld = {buf_addr(&l), len, l.mem}, rd = {x.t.addr[0], len, x.rm[0]};
+            int s = xfer(x.e, "t", NF_OP_WRITE, &ld, &rd, 1, wait_limit_s());
+            sleep_ms(100); /* lines logged just after the status */
+            fflush(stderr);
+            if (saved >= 0) {
+                dup2(saved, 2);
+                close(saved);
+            }
+            if (f >= 0)
+                close(f);
+            check(s != NF_SUCCESS && s != HX_TIMEOUT, "with the re-apply switched off in the initiator its IPC copy fails: %s", st_name(s));
+            FILE *lf = fopen(path, "r");
+            bool seen = false;
+            char line[1024];
+            while (lf && fgets(line, sizeof line, lf))
+                seen |= strstr(line, "INVALID_CONTEXT") != NULL;
+            if (!seen && lf) {
+                rewind(lf);
+                for (int i = 0; i < 20 && fgets(line, sizeof line, lf); i++)
+                    printf("  parent log: %s", line);
+            }
+            if (lf)
+                fclose(lf);
+            unlink(path);
+            check(seen, "the initiator's log names CUDA_ERROR_INVALID_CONTEXT");
+        }
+        buf_free(&l, x.e);
+    }
+    sess_close(&x, true);
+}
+
+/* Two engines in this process: VRAM<->VRAM, DRAM<->VRAM, VRAM<->DRAM by direct device copies
+ * (nothing to open: the memory is ours already). */
+static void ipc_one_process(void) {
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/one-process");
+    nf_engine *a, *b;
+    pair(&a, &b, true);
+    size_t len = (4 << 20) + 5;
+    static const bool kinds[3][2] = {{true, true}, {false, true}, {true, false}};
+    for (int op = 0; op < 2; op++)
+        for (int k = 0; k < 3; k++) {
+            bool lv = kinds[k][0], rv = kinds[k][1];
+            buf_t l, r;
+            if (!buf_make(&l, a, lv, len, g_primary) || !buf_make(&r, b, rv, len, g_primary))
+                continue;
+            nf_rmem *rm = load_target(a, "b", b, r.mem);
+            uint64_t seed = next_seed();
+            buf_t *src = op == NF_OP_WRITE ? &l : &r, *dst = op == NF_OP_WRITE ? &r : &l;
+            buf_fill(src, seed);
+            nf_xfer_desc ld = {buf_addr(&l), len, l.mem}, rd = {buf_addr(&r), len, rm};
+            gpuc_t a0 = gpuc(a), b0 = gpuc(b);
+            int s = rm ? xfer(a, "b", op, &ld, &rd, 1, wait_limit_s()) : NF_ERR_INVALID_PARAM;
+            gpuc_t a1 = gpuc(a), b1 = gpuc(b);
+            size_t bad = s == NF_SUCCESS ? buf_verify(dst, seed) : 0;
+            check(s == NF_SUCCESS && bad == SIZE_MAX, "%s local %s remote %s %zu B in one process: %s, bytes %s", opname(op), kind(lv), kind(rv), len,
+                  st_name(s), bad == SIZE_MAX ? "exact" : "differ");
+            uint64_t direct = a1.direct - a0.direct + b1.direct - b0.direct;
+            check(direct == len, "%s %s -> %s in one process went device-direct: gpu_direct_bytes +%" PRIu64 " (want %zu)", opname(op),
+                  kind(op == NF_OP_WRITE ? lv : rv), kind(op == NF_OP_WRITE ? rv : lv), direct, len);
+            check(a1.opens == 0 && b1.opens == 0, "in one process nothing is opened by IPC (gpu_ipc_opens %" PRIu64 " / %" PRIu64 ")", a1.opens, b1.opens);
+            if (rm)
+                nf_rmem_unload(a, rm);
+            buf_free(&l, a);
+            buf_free(&r, b);
+        }
+    nf_engine_destroy(a);
+    nf_engine_destroy(b);
+}
+
+static void suite_ipc(void) {
+    g_mock = cu.mock_ipc_open_count && cu.mock_batch_calls && cu.mock_copy_calls;
+    if (!g_mock)
+        printf("NOTE gpu/ipc: no stand-in driver hooks (real libcuda): driver-side mapping and batch counts are not checked, "
+               "MOCK_CUDA_* cases are skipped\n");
+    /* A dead target's socket must make sends fail, not kill the harness. */
+    signal(SIGPIPE, SIG_IGN);
+    ipc_env_begin();
+    ipc_one_process();
+    ipc_basic();
+    ipc_many(MANY_KERNEL);
+    ipc_many(MANY_BATCH);
+    ipc_many(MANY_SINGLE);
+    ipc_fallback("MOCK_CUDA_IPC_OPEN_FAIL", "1", "open-fails");
+    ipc_fallback("NIXL_FABRIC_GPU_IPC", "false", "gpu_ipc-false");
+    ipc_unload();
+    ipc_peer_death();
+    ipc_skip_apply(true);
+    ipc_skip_apply(false);
+    ipc_env_end();
+}
+
 /* A host without a CUDA driver: DRAM is served, VRAM is refused with NOT_SUPPORTED. */
 static void no_cuda_host(void) {
     snprintf(g_ctx, sizeof g_ctx, "no-cuda");
@@ -508,11 +1401,24 @@ int main(int argc, char **argv) {
         /* The target's log goes to a file the parent reads. */
         if (!freopen(argv[3], "w", stderr))
             return 2;
+        dup2(fileno(stderr), 1); /* its own result lines too: the parent shows them on failure */
         setenv("NIXL_FABRIC_LOG", "error", 1);
-        return target_process(atoi(argv[2]));
+        size_t len = argc >= 5 ? strtoull(argv[4], NULL, 10) : (8 << 20) + 3;
+        return target_process(atoi(argv[2]), len ? len : 1);
     }
     if (!cu_load()) {
         no_cuda_host();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
+    /* GPU_HARNESS_ONLY_IPC=1: just the same-host IPC suite (when working on that path). */
+    const char *only_ipc = getenv("GPU_HARNESS_ONLY_IPC");
+    if (only_ipc && strcmp(only_ipc, "1") == 0) {
+        if (!cu_setup()) {
+            printf("SKIP gpu: no CUDA driver or device\n0 passed, 0 failed, 1 skipped\n");
+            return 0;
+        }
+        suite_ipc();
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -536,6 +1442,8 @@ int main(int argc, char **argv) {
     suite_reapply_cost();
     if (!getenv("GPU_HARNESS_NO_BW"))
         suite_bandwidth();
+    /* Same-host GPU memory by IPC and direct copies (issue 12). */
+    suite_ipc();
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;
 }

@@ -71,6 +71,10 @@ tunables! {
         "peers on the same host (same boot id) exchange data over an extra shm rail instead of the network rails; off also turns off every other same-host path (GPU IPC, direct copies between engines of one process)";
     gpu_ipc: bool = Bool, "true", "NIXL_FABRIC_GPU_IPC",
         "GPU memory of same-host peers is opened by CUDA IPC and copied by the GPU (needs same_host_shm too); off stages it through host memory";
+    gpu_copy_kernel: bool = Bool, "true", "NIXL_FABRIC_GPU_COPY_KERNEL",
+        "direct copies of many small device-to-device ranges (KV blocks) run as one kernel launch per up to 1364 ranges instead of one copy-engine operation each; off uses cuMemcpyBatchAsync, else one cuMemcpyAsync per range";
+    pin_host_memory: bool = Bool, "true", "NIXL_FABRIC_PIN_HOST_MEMORY",
+        "host memory that takes part in direct GPU copies (IPC or between engines of one process) is page-locked on first use (cuMemHostRegister), so the copies run at full bus speed; memory that is already pinned is used as it is";
     staging_buffer_size: u64 = Size, "67108864", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
         "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM)";
     staging_chunk_size: u64 = Size, "2097152", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
@@ -178,6 +182,8 @@ impl Config {
             rma_batch: 0,
             same_host_shm: true,
             gpu_ipc: true,
+            gpu_copy_kernel: true,
+            pin_host_memory: true,
             staging_buffer_size: 0,
             staging_chunk_size: 0,
         }

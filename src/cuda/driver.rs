@@ -72,6 +72,10 @@ pub(super) struct Fns {
     pub device_get_uuid: Option<FnDeviceGetUuid>,
     /// The batch copy in whichever form the driver has (CUDA >= 12.8).
     pub memcpy_batch: Option<BatchFn>,
+    pub module_load_data: Option<FnModuleLoadData>,
+    pub module_unload: Option<FnModuleUnload>,
+    pub module_get_function: Option<FnModuleGetFunction>,
+    pub launch_kernel: Option<FnLaunchKernel>,
 }
 
 /// cuMemcpyBatchAsync changed shape in CUDA 13 (the failure index went away); the symbol
@@ -195,6 +199,10 @@ impl Driver {
             memcpy_batch: opt!("cuMemcpyBatchAsync_v2")
                 .map(BatchFn::V2)
                 .or_else(|| opt!("cuMemcpyBatchAsync").map(BatchFn::V1)),
+            module_load_data: opt!("cuModuleLoadData"),
+            module_unload: opt!("cuModuleUnload"),
+            module_get_function: opt!("cuModuleGetFunction"),
+            launch_kernel: opt!("cuLaunchKernel"),
         };
         let mut d = Driver { f, path: path.to_string(), version: 0, _lib: lib };
         // SAFETY: cuInit takes a flags word (must be 0) and touches no memory of ours.

@@ -4,11 +4,24 @@
  * driver: calls that need a context fail with CUDA_ERROR_INVALID_CONTEXT when none is
  * current, and stream/event calls fail when the current context is not their own. Events
  * report NOT_READY once after each record, to exercise polling.
+ *
+ * Device memory (cuMemAlloc) lives in a memfd mapped MAP_SHARED, so that the IPC calls can
+ * share it between processes the way the real driver shares VRAM: an IPC handle names the
+ * owner's pid and memfd, and cuIpcOpenMemHandle maps /proc/<pid>/fd/<fd> (same user only,
+ * like the real thing). The IPC and batch calls are as strict as the driver documents:
+ * no opening in the exporting process, no opening one allocation twice in a process (so
+ * the engine must cache its mappings), no batch copy on the legacy NULL stream.
  * Written from the public driver API reference; not part of the plugin. */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -17,8 +30,19 @@ typedef struct mctx { int magic; int dev; } *CUcontext;
 typedef struct mstream { CUcontext ctx; } *CUstream;
 typedef struct mevent { CUcontext ctx; int pending; } *CUevent;
 
+typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char bytes[16]; } CUuuid;
+typedef struct {
+    int srcAccessOrder; /* CUmemcpySrcAccessOrder: 0 is INVALID, 1..3 the real orders */
+    struct { int type; int id; } srcLocHint, dstLocHint;
+    unsigned flags;
+} CUmemcpyAttributes;
+_Static_assert(sizeof(CUipcMemHandle) == 64, "CU_IPC_HANDLE_SIZE is 64");
+_Static_assert(sizeof(CUmemcpyAttributes) == 24, "CUmemcpyAttributes is 24 bytes");
+
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
-       INVALID_DEVICE = 101, INVALID_CONTEXT = 201, INVALID_HANDLE = 400, NOT_READY = 600 };
+       INVALID_DEVICE = 101, INVALID_CONTEXT = 201, ALREADY_MAPPED = 208, INVALID_HANDLE = 400,
+       NOT_READY = 600, NOT_SUPPORTED = 801 };
 
 #define NDEV 2
 static struct mctx primary[NDEV] = { { 0x5ca1ab1e, 0 }, { 0x5ca1ab1e, 1 } };
@@ -28,24 +52,36 @@ static __thread CUcontext stack[16];
 static __thread int depth;
 static long n_get_current, n_set_current, n_push, n_pop;
 
-struct alloc { uintptr_t base; size_t size; CUcontext ctx; unsigned type; int owned; int used; };
-#define NALLOC 64
+/* kind: how the memory came to be, which decides how it goes away (and which calls may
+ * free it): malloc'd host memory, a registered user range, our memfd device memory, or a
+ * peer's memfd mapped by cuIpcOpenMemHandle. */
+enum { K_HOST = 0, K_HOSTREG = 1, K_DEVICE = 2, K_IPC = 3 };
+struct alloc {
+    uintptr_t base; size_t size; CUcontext ctx; unsigned type; int owned; int used;
+    int kind; int fd;                  /* K_DEVICE: our memfd */
+    int peer_pid, peer_fd; ino_t ino;  /* K_IPC: whose memfd this maps */
+};
+#define NALLOC 512
 static struct alloc allocs[NALLOC];
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static long n_batch, n_copy; /* successful cuMemcpyBatchAsync / single async copies */
 
 static CUcontext cur(void) { return depth > 0 ? stack[depth - 1] : NULL; }
 
-static int add_alloc(uintptr_t base, size_t size, unsigned type, int owned) {
+static struct alloc *add_alloc_kind(uintptr_t base, size_t size, unsigned type, int owned, int kind) {
     pthread_mutex_lock(&lock);
     for (int i = 0; i < NALLOC; i++) {
         if (!allocs[i].used) {
-            allocs[i] = (struct alloc){ base, size, cur(), type, owned, 1 };
+            allocs[i] = (struct alloc){ base, size, cur(), type, owned, 1, kind, -1, 0, -1, 0 };
             pthread_mutex_unlock(&lock);
-            return 0;
+            return &allocs[i];
         }
     }
     pthread_mutex_unlock(&lock);
-    return -1;
+    return NULL;
+}
+static int add_alloc(uintptr_t base, size_t size, unsigned type, int owned) {
+    return add_alloc_kind(base, size, type, owned, owned ? K_HOST : K_HOSTREG) ? 0 : -1;
 }
 
 static struct alloc *find(uintptr_t p) {
@@ -57,11 +93,19 @@ static struct alloc *find(uintptr_t p) {
     return a;
 }
 
-static int remove_alloc(uintptr_t base) {
-    struct alloc *a = find(base);
-    if (!a || a->base != base) return -1;
-    if (a->owned) free((void *)a->base);
+/* Forgets the record based at `base` if it is of `kind` and releases its memory. */
+static int remove_alloc_kind(uintptr_t base, int kind) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = NULL;
+    for (int i = 0; i < NALLOC; i++)
+        if (allocs[i].used && allocs[i].base == base) a = &allocs[i];
+    if (!a || a->kind != kind) { pthread_mutex_unlock(&lock); return -1; }
+    struct alloc gone = *a;
     a->used = 0;
+    pthread_mutex_unlock(&lock);
+    if (gone.kind == K_DEVICE || gone.kind == K_IPC) munmap((void *)gone.base, gone.size);
+    if (gone.kind == K_DEVICE) close(gone.fd);
+    if (gone.kind == K_HOST) free((void *)gone.base);
     return 0;
 }
 
@@ -70,6 +114,18 @@ void mock_counters(long *get, long *set, long *push, long *pop) {
     *get = n_get_current; *set = n_set_current; *push = n_push; *pop = n_pop;
 }
 int mock_depth(void) { return depth; }
+/* IPC mappings open in this process now. */
+int mock_ipc_open_count(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < NALLOC; i++) n += allocs[i].used && allocs[i].kind == K_IPC;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+/* Successful cuMemcpyBatchAsync calls, and successful single async copies (cuMemcpyAsync
+ * and cuMemcpy{HtoD,DtoH,DtoD}Async), so far. */
+long mock_batch_calls(void) { return __atomic_load_n(&n_batch, __ATOMIC_RELAXED); }
+long mock_copy_calls(void) { return __atomic_load_n(&n_copy, __ATOMIC_RELAXED); }
 
 CUresult cuInit(unsigned flags) {
     if (flags != 0) return INVALID_VALUE;
@@ -82,8 +138,10 @@ CUresult cuDriverGetVersion(int *v) { if (!v) return INVALID_VALUE; *v = 13000; 
 static const char *names[][2] = {
     { "0", "CUDA_SUCCESS" }, { "1", "CUDA_ERROR_INVALID_VALUE" }, { "2", "CUDA_ERROR_OUT_OF_MEMORY" },
     { "100", "CUDA_ERROR_NO_DEVICE" }, { "101", "CUDA_ERROR_INVALID_DEVICE" },
-    { "201", "CUDA_ERROR_INVALID_CONTEXT" }, { "400", "CUDA_ERROR_INVALID_HANDLE" },
-    { "600", "CUDA_ERROR_NOT_READY" },
+    { "3", "CUDA_ERROR_NOT_INITIALIZED" },
+    { "201", "CUDA_ERROR_INVALID_CONTEXT" }, { "208", "CUDA_ERROR_ALREADY_MAPPED" },
+    { "400", "CUDA_ERROR_INVALID_HANDLE" }, { "600", "CUDA_ERROR_NOT_READY" },
+    { "801", "CUDA_ERROR_NOT_SUPPORTED" },
 };
 CUresult cuGetErrorName(CUresult e, const char **p) {
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
@@ -184,14 +242,27 @@ CUresult cuPointerSetAttribute(const void *v, unsigned attr, CUdeviceptr p) {
     return OK;
 }
 
+/* Device memory: a memfd of its own, so a peer process can map the same pages through an
+ * IPC handle. mmap gives page alignment (the real driver aligns to far more). */
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     if (!cur()) return INVALID_CONTEXT;
-    void *m = malloc(n);
-    if (!m || add_alloc((uintptr_t)m, n, 2, 1)) { free(m); return OUT_OF_MEMORY; }
+    if (n == 0) return INVALID_VALUE;
+    int fd = memfd_create("mock-cuda-vram", MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    void *m = MAP_FAILED;
+    if (ftruncate(fd, (off_t)n) == 0) m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    struct alloc *a = m == MAP_FAILED ? NULL : add_alloc_kind((uintptr_t)m, n, 2, 1, K_DEVICE);
+    if (!a) {
+        if (m != MAP_FAILED) munmap(m, n);
+        close(fd);
+        return OUT_OF_MEMORY;
+    }
+    a->fd = fd;
     *p = (uintptr_t)m;
     return OK;
 }
-CUresult cuMemFree_v2(CUdeviceptr p) { if (!cur()) return INVALID_CONTEXT; return remove_alloc(p) ? INVALID_VALUE : OK; }
+/* Only our own allocations: an IPC mapping is closed with cuIpcCloseMemHandle. */
+CUresult cuMemFree_v2(CUdeviceptr p) { if (!cur()) return INVALID_CONTEXT; return remove_alloc_kind(p, K_DEVICE) ? INVALID_VALUE : OK; }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
     (void)flags;
     if (!cur()) return INVALID_CONTEXT;
@@ -201,14 +272,14 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
     *p = m;
     return OK;
 }
-CUresult cuMemFreeHost(void *p) { if (!cur()) return INVALID_CONTEXT; return remove_alloc((uintptr_t)p) ? INVALID_VALUE : OK; }
+CUresult cuMemFreeHost(void *p) { if (!cur()) return INVALID_CONTEXT; return remove_alloc_kind((uintptr_t)p, K_HOST) ? INVALID_VALUE : OK; }
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
     (void)flags;
     if (!cur()) return INVALID_CONTEXT;
     if (find((uintptr_t)p)) return INVALID_VALUE;
     return add_alloc((uintptr_t)p, n, 1, 0) ? OUT_OF_MEMORY : OK;
 }
-CUresult cuMemHostUnregister(void *p) { if (!cur()) return INVALID_CONTEXT; return remove_alloc((uintptr_t)p) ? INVALID_VALUE : OK; }
+CUresult cuMemHostUnregister(void *p) { if (!cur()) return INVALID_CONTEXT; return remove_alloc_kind((uintptr_t)p, K_HOSTREG) ? INVALID_VALUE : OK; }
 
 static int known_range(CUdeviceptr p, size_t n) {
     struct alloc *a = find((uintptr_t)p);
@@ -255,24 +326,230 @@ CUresult cuStreamCreate(CUstream *s, unsigned flags) {
 CUresult cuStreamSynchronize(CUstream s) { return stream_ok(s); }
 CUresult cuStreamQuery(CUstream s) { return stream_ok(s); }
 CUresult cuStreamDestroy_v2(CUstream s) { if (!s || !cur()) return INVALID_HANDLE; free(s); return OK; }
+static CUresult counted(CUresult r) {
+    if (r == OK) __atomic_add_fetch(&n_copy, 1, __ATOMIC_RELAXED);
+    return r;
+}
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st) {
     CUresult r = stream_ok(st);
-    return r ? r : cuMemcpyHtoD_v2(d, s, n);
+    return r ? r : counted(cuMemcpyHtoD_v2(d, s, n));
 }
 CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st) {
     CUresult r = stream_ok(st);
-    return r ? r : cuMemcpyDtoH_v2(d, s, n);
+    return r ? r : counted(cuMemcpyDtoH_v2(d, s, n));
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
     CUresult r = stream_ok(st);
-    return r ? r : cuMemcpyDtoD_v2(d, s, n);
+    return r ? r : counted(cuMemcpyDtoD_v2(d, s, n));
+}
+
+/* A unified-addressing pointer: one inside a known allocation (device, pinned, registered,
+ * IPC-mapped) must have its whole range inside it; anything else is pageable host memory,
+ * which the real driver also accepts for cuMemcpy and the batch copy. */
+static int range_ok(CUdeviceptr p, size_t n) {
+    struct alloc *a = find((uintptr_t)p);
+    return !a || (uintptr_t)p + n <= a->base + a->size;
 }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
     CUresult r = stream_ok(st);
     if (r) return r;
+    if (!range_ok(d, n) || !range_ok(s, n)) return INVALID_VALUE;
     memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n);
+    return counted(OK);
+}
+
+/* The batch copy: the checks the driver documents, then each copy in order. The legacy
+ * NULL stream (and CU_STREAM_LEGACY) is refused, as the real driver does. */
+static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, CUmemcpyAttributes *attrs,
+                      size_t *attrsIdxs, size_t numAttrs, CUstream st) {
+    if (getenv("MOCK_CUDA_NO_BATCH") && strcmp(getenv("MOCK_CUDA_NO_BATCH"), "1") == 0) return NOT_SUPPORTED;
+    if (!cur()) return INVALID_CONTEXT;
+    if (st == NULL || st == (CUstream)0x1) return INVALID_VALUE;
+    CUresult r = stream_ok(st);
+    if (r) return r;
+    if (count == 0 || !dsts || !srcs || !sizes || !attrs || !attrsIdxs || numAttrs < 1 || numAttrs > count) return INVALID_VALUE;
+    if (attrsIdxs[0] != 0) return INVALID_VALUE;
+    for (size_t i = 0; i < numAttrs; i++) {
+        if (i > 0 && attrsIdxs[i] <= attrsIdxs[i - 1]) return INVALID_VALUE;
+        if (attrsIdxs[i] >= count) return INVALID_VALUE;
+        if (attrs[i].srcAccessOrder < 1 || attrs[i].srcAccessOrder > 3) return INVALID_VALUE;
+    }
+    for (size_t i = 0; i < count; i++)
+        if (!range_ok(dsts[i], sizes[i]) || !range_ok(srcs[i], sizes[i])) return INVALID_VALUE;
+    for (size_t i = 0; i < count; i++)
+        memmove((void *)(uintptr_t)dsts[i], (void *)(uintptr_t)srcs[i], sizes[i]);
+    __atomic_add_fetch(&n_batch, 1, __ATOMIC_RELAXED);
     return OK;
 }
+/* CUDA 13 form (no failIdx). */
+CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, CUmemcpyAttributes *attrs,
+                               size_t *attrsIdxs, size_t numAttrs, CUstream st) {
+    return batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, st);
+}
+/* CUDA 12.8 form: *failIdx is SIZE_MAX on success and for errors not tied to one copy. */
+CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, CUmemcpyAttributes *attrs,
+                            size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream st) {
+    CUresult r = batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, st);
+    if (failIdx) *failIdx = SIZE_MAX;
+    return r;
+}
+
+/* ---- the gather-copy kernel ------------------------------------------------------------ */
+/* cuModuleLoadData accepts only our kernel's PTX (entry nf_gather, one byte-array parameter
+ * named nf_p); "running" it performs the copies its parameter block lists, after the checks
+ * a real launch would fail or corrupt memory on: the module's context current, a stream of
+ * that context, a grid that covers every range, and both ends of every range in device
+ * memory (ours or IPC-mapped: a kernel cannot touch pageable host memory).
+ * MOCK_CUDA_NO_KERNEL=1: the module API refuses (a driver without JIT);
+ * MOCK_CUDA_SMALL_PARAMS=1: parameter blocks over 4352 bytes are refused (an old driver). */
+typedef struct mmodule { CUcontext ctx; size_t param_bytes; int magic; } *CUmodule;
+typedef CUmodule CUfunction;
+#define MODULE_MAGIC 0x6a7e1
+enum { INVALID_PTX = 218, NOT_FOUND = 500 };
+static long n_kernel; /* successful launches */
+long mock_kernel_launches(void) { return __atomic_load_n(&n_kernel, __ATOMIC_RELAXED); }
+static int env_is(const char *name) { const char *v = getenv(name); return v && strcmp(v, "1") == 0; }
+
+CUresult cuModuleLoadData(CUmodule *m, const void *image) {
+    if (env_is("MOCK_CUDA_NO_KERNEL")) return NOT_SUPPORTED;
+    if (!cur()) return INVALID_CONTEXT;
+    if (!m || !image) return INVALID_VALUE;
+    const char *ptx = image, *p = strstr(ptx, ".param .align 8 .b8 nf_p[");
+    if (!strstr(ptx, ".visible .entry nf_gather(") || !p) return INVALID_PTX;
+    size_t bytes = strtoul(p + strlen(".param .align 8 .b8 nf_p["), NULL, 10);
+    if (bytes < 8 || bytes > 32764) return INVALID_PTX;
+    if (bytes > 4352 && env_is("MOCK_CUDA_SMALL_PARAMS")) return INVALID_PTX;
+    *m = malloc(sizeof **m);
+    **m = (struct mmodule){ cur(), bytes, MODULE_MAGIC };
+    return OK;
+}
+CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
+    if (!cur()) return INVALID_CONTEXT;
+    if (!f || !m || m->magic != MODULE_MAGIC || !name) return INVALID_HANDLE;
+    if (strcmp(name, "nf_gather") != 0) return NOT_FOUND;
+    *f = m;
+    return OK;
+}
+CUresult cuModuleUnload(CUmodule m) {
+    if (!m || m->magic != MODULE_MAGIC) return INVALID_HANDLE;
+    if (cur() != m->ctx) return INVALID_CONTEXT;
+    m->magic = 0;
+    free(m);
+    return OK;
+}
+static int device_range(CUdeviceptr p, size_t n) {
+    struct alloc *a = find((uintptr_t)p);
+    return a && (a->kind == K_DEVICE || a->kind == K_IPC) && (uintptr_t)p + n <= a->base + a->size;
+}
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared, CUstream st, void **params, void **extra) {
+    if (!f || f->magic != MODULE_MAGIC) return INVALID_HANDLE;
+    if (!cur() || cur() != f->ctx) return INVALID_CONTEXT;
+    CUresult r = stream_ok(st);
+    if (r) return r;
+    if (st && st->ctx != f->ctx) return INVALID_CONTEXT;
+    if (!params || !params[0] || extra || gx == 0 || gy == 0 || gz != 1 || bx == 0 || bx > 1024 || by != 1 || bz != 1 || shared)
+        return INVALID_VALUE;
+    const unsigned char *blk = params[0];
+    uint32_t count, shift;
+    memcpy(&count, blk, 4);
+    memcpy(&shift, blk + 4, 4);
+    if (count == 0 || 8 + (size_t)count * 24 > f->param_bytes || gy < count || shift < 4 || shift > 30) return INVALID_VALUE;
+    for (uint32_t i = 0; i < count; i++) {
+        uint64_t e[3];
+        memcpy(e, blk + 8 + 24 * (size_t)i, sizeof e);
+        if (((uint64_t)gx << shift) < e[2]) return INVALID_VALUE; /* part of the range never copied */
+        if (e[2] && (!device_range(e[0], e[2]) || !device_range(e[1], e[2]))) return INVALID_VALUE;
+    }
+    for (uint32_t i = 0; i < count; i++) {
+        uint64_t e[3];
+        memcpy(e, blk + 8 + 24 * (size_t)i, sizeof e);
+        memmove((void *)(uintptr_t)e[0], (void *)(uintptr_t)e[1], e[2]);
+    }
+    __atomic_add_fetch(&n_kernel, 1, __ATOMIC_RELAXED);
+    return OK;
+}
+
+/* ---- IPC ------------------------------------------------------------------------------ */
+/* Handle layout (ours; the engine must treat it as opaque): magic, owner pid, owner's memfd
+ * number, allocation size, owner's device ordinal, and the memfd's inode so that a handle
+ * naming a reused fd number is refused rather than mapping someone else's memory. */
+struct ipc_wire { char magic[8]; int32_t pid; int32_t fd; uint64_t size; int32_t dev; int32_t pad; uint64_t ino; };
+_Static_assert(sizeof(struct ipc_wire) <= sizeof(CUipcMemHandle), "fits the handle");
+static const char IPC_MAGIC[8] = { 'M', 'O', 'C', 'K', 'I', 'P', 'C', '1' };
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
+    if (!h) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = NULL;
+    for (int i = 0; i < NALLOC; i++)
+        if (allocs[i].used && p >= allocs[i].base && p < allocs[i].base + allocs[i].size) a = &allocs[i];
+    if (!a || a->kind != K_DEVICE) { pthread_mutex_unlock(&lock); return INVALID_VALUE; }
+    struct ipc_wire w = { { 0 }, (int32_t)getpid(), a->fd, a->size, a->ctx ? a->ctx->dev : 0, 0, 0 };
+    memcpy(w.magic, IPC_MAGIC, 8);
+    struct stat st;
+    if (fstat(a->fd, &st) == 0) w.ino = (uint64_t)st.st_ino;
+    pthread_mutex_unlock(&lock);
+    memset(h, 0, sizeof *h);
+    memcpy(h, &w, sizeof w);
+    return OK;
+}
+
+static CUresult ipc_open(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) {
+    if (!cur()) return INVALID_CONTEXT;
+    if (!p || (flags != 0 && flags != 1)) return INVALID_VALUE; /* 1: CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS */
+    const char *fail = getenv("MOCK_CUDA_IPC_OPEN_FAIL");
+    if (fail && strcmp(fail, "1") == 0) return INVALID_VALUE;
+    struct ipc_wire w;
+    memcpy(&w, &h, sizeof w);
+    if (memcmp(w.magic, IPC_MAGIC, 8) != 0 || w.size == 0 || w.pid <= 0 || w.fd < 0) return INVALID_VALUE;
+    if (w.pid == (int32_t)getpid()) return INVALID_CONTEXT; /* the driver refuses the exporting process */
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < NALLOC; i++)
+        if (allocs[i].used && allocs[i].kind == K_IPC && allocs[i].peer_pid == w.pid && allocs[i].peer_fd == w.fd &&
+            allocs[i].ino == (ino_t)w.ino) {
+            pthread_mutex_unlock(&lock);
+            return ALREADY_MAPPED;
+        }
+    pthread_mutex_unlock(&lock);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)w.pid, (int)w.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return INVALID_HANDLE;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != w.size || (w.ino && (uint64_t)st.st_ino != w.ino)) {
+        close(fd);
+        return INVALID_HANDLE;
+    }
+    void *m = mmap(NULL, w.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd); /* the mapping keeps the pages */
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    struct alloc *a = add_alloc_kind((uintptr_t)m, w.size, 2, 0, K_IPC);
+    if (!a) { munmap(m, w.size); return OUT_OF_MEMORY; }
+    a->peer_pid = w.pid;
+    a->peer_fd = w.fd;
+    a->ino = (ino_t)w.ino;
+    *p = (uintptr_t)m;
+    return OK;
+}
+/* The handle is passed by value (a 64-byte struct), as in cuda.h. */
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) { return ipc_open(p, h, flags); }
+CUresult cuIpcOpenMemHandle(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) { return ipc_open(p, h, flags); }
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    if (!cur()) return INVALID_CONTEXT;
+    return remove_alloc_kind(p, K_IPC) ? INVALID_VALUE : OK;
+}
+
+/* The same UUID for an ordinal in every process: peers compare them to find one GPU. */
+CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) {
+    if (!inited) return NOT_INITIALIZED;
+    if (!u) return INVALID_VALUE;
+    if (d < 0 || d >= NDEV) return INVALID_DEVICE;
+    memcpy(u->bytes, "mock-gpu-uuid-0", 15);
+    u->bytes[15] = (char)d;
+    return OK;
+}
+CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d) { return cuDeviceGetUuid_v2(u, d); }
 CUresult cuEventCreate(CUevent *e, unsigned flags) {
     if (flags != 2) return INVALID_VALUE; /* we always ask for DISABLE_TIMING */
     if (!cur()) return INVALID_CONTEXT;

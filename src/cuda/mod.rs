@@ -15,11 +15,13 @@
 //! Pieces: [`Driver`] (loading, [`Driver::pointer_info`]), [`Context`] (capture and
 //! `make_current`), synchronous copies on `Context`, [`Stream`]/[`Event`] for pipelined
 //! staging copies, [`PinnedBuffer`] bounce buffers, [`IpcHandle`]/[`IpcMapping`] for
-//! device memory shared with same-host peers and batched copies, and the test helpers
+//! device memory shared with same-host peers and batched copies, [`CopyKernel`] for many
+//! small device-to-device copies in one launch, and the test helpers
 //! [`DeviceBuffer`], [`Context::primary`], [`Context::create`].
 mod context;
 mod driver;
 mod error;
+mod gather;
 mod ipc;
 mod memory;
 mod pointer;
@@ -29,6 +31,7 @@ mod sys;
 pub use context::{Context, OwnedContext, PrimaryContext};
 pub use driver::{library_path, Driver, DEFAULT_LIB, LIB_ENV};
 pub use error::{CudaError, Result};
+pub use gather::CopyKernel;
 pub use ipc::{batch_unsupported, IpcHandle, IpcMapping, IPC_HANDLE_LEN};
 pub use memory::{DeviceBuffer, HostRegistration, PinnedBuffer};
 pub use pointer::{MemoryType, PointerInfo};

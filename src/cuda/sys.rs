@@ -173,3 +173,24 @@ pub type FnMemcpyBatchAsyncV1 = unsafe extern "C" fn(
     fail_idx: *mut usize,
     stream: CUstream,
 ) -> CUresult;
+
+/// `CUmodule` / `CUfunction`: opaque handles of a loaded module and one of its kernels.
+pub type CUmodule = *mut c_void;
+pub type CUfunction = *mut c_void;
+pub type FnModuleLoadData = unsafe extern "C" fn(module: *mut CUmodule, image: *const c_void) -> CUresult;
+pub type FnModuleUnload = unsafe extern "C" fn(module: CUmodule) -> CUresult;
+pub type FnModuleGetFunction = unsafe extern "C" fn(f: *mut CUfunction, module: CUmodule, name: *const c_char) -> CUresult;
+#[allow(clippy::type_complexity)]
+pub type FnLaunchKernel = unsafe extern "C" fn(
+    f: CUfunction,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    block_x: c_uint,
+    block_y: c_uint,
+    block_z: c_uint,
+    shared_bytes: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult;

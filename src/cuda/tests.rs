@@ -165,9 +165,11 @@ fn without_a_driver_everything_fails_cleanly() {
 // ---------------------------------------------------------------------------------------
 // Mock driver tests.
 
-/// Builds mock_cuda.c into a shared library; None (skip) when there is no C compiler.
-fn build_mock() -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("nf-cuda-mock-{}", std::process::id()));
+/// Builds mock_cuda.c into a shared library in a directory of the calling test (`who`:
+/// tests run in parallel, and each removes its directory at the end); None (skip) when
+/// there is no C compiler.
+fn build_mock(who: &str) -> Option<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("nf-cuda-mock-{}-{who}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join("mock_cuda.c");
     std::fs::write(&src, include_str!("mock_cuda.c")).unwrap();
@@ -209,7 +211,7 @@ fn run_child(lib: &PathBuf, test: &str, env: &[(&str, &str)]) -> String {
 
 #[test]
 fn mock_driver_end_to_end() {
-    let Some(lib) = build_mock() else { return };
+    let Some(lib) = build_mock("e2e") else { return };
     let out = run_child(&lib, "mock_child", &[]);
     assert!(out.contains("mock child ok: cuPointerGetAttributes"), "{out}");
     // The one-attribute-at-a-time path (cuPointerGetAttributes refusing the request).
@@ -678,4 +680,129 @@ fn gpu_make_current_cost() {
     drop(buf);
     drop(owned);
     Context::forget_thread_cache();
+}
+
+// ---------------------------------------------------------------------------------------
+// The gather-copy kernel: the same checks on the stand-in driver (child process) and on
+// the real one.
+
+/// Copies a mix of ranges in one `launch` (aligned, misaligned, crossing the 64 KiB slice,
+/// empty, longer than one slice) and checks every byte of the destination, the untouched
+/// gaps included. Returns the launch count.
+fn gather_kernel_checks(ctx: &Context) -> usize {
+    let k = CopyKernel::load(ctx).expect("the gather kernel loads");
+    assert!(k.ranges_per_launch() >= 181);
+    const LEN: usize = 4 << 20;
+    let src = DeviceBuffer::new(ctx, LEN).unwrap();
+    let dst = DeviceBuffer::new(ctx, LEN).unwrap();
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 131 % 251) as u8).collect();
+    src.write(0, &pattern).unwrap();
+    dst.fill(0).unwrap();
+    // (dst offset, src offset, len)
+    let mut ranges: Vec<(usize, usize, usize)> = vec![
+        (0, 4096, 4096),
+        (8192, 1, 100),              // misaligned source
+        (3 << 20, 65536 - 16, 48),   // crosses a slice boundary of the source
+        (70000, 200000, 0),          // empty
+        (1 << 20, 2 << 20, 300_000), // several slices
+        (524_288 + 3, 7, 65_541),    // misaligned both, odd length
+    ];
+    // Enough 4 KiB ranges that the classic form needs several launches.
+    for i in 0..400 {
+        ranges.push((1_600_000 + i * 4096, 3_000_000 + ((i * 7) % 200) * 4096, 4096));
+    }
+    let copies: Vec<(u64, u64, usize)> =
+        ranges.iter().map(|&(d, s, n)| (dst.addr() + d as u64, src.addr() + s as u64, n)).collect();
+    let stream = Stream::new(ctx).unwrap();
+    ctx.make_current().unwrap();
+    // SAFETY: every range lies inside src/dst, which outlive the synchronize below.
+    let launches = unsafe { k.launch(&stream, &copies).unwrap() };
+    stream.synchronize().unwrap();
+    let mut want = vec![0u8; LEN];
+    for &(d, s, n) in &ranges {
+        want[d..d + n].copy_from_slice(&pattern[s..s + n]);
+    }
+    let got = dst.to_vec().unwrap();
+    if let Some(at) = (0..LEN).find(|&i| got[i] != want[i]) {
+        panic!("byte {at} differs: got {} want {}", got[at], want[at]);
+    }
+    assert_eq!(launches, copies.len().div_ceil(k.ranges_per_launch()));
+    launches
+}
+
+#[test]
+fn mock_gather_kernel() {
+    let Some(lib) = build_mock("gather") else { return };
+    let out = run_child(&lib, "mock_gather_child", &[]);
+    assert!(out.contains("gather child ok: 1 launch"), "{out}");
+    // An old driver: the 32 KiB parameter block is refused, the 4 KiB form serves.
+    let out = run_child(&lib, "mock_gather_child", &[("MOCK_CUDA_SMALL_PARAMS", "1")]);
+    assert!(out.contains("gather child ok: 3 launch"), "{out}");
+    // A driver without the module API: an error, not a crash.
+    let out = run_child(&lib, "mock_gather_child", &[("MOCK_CUDA_NO_KERNEL", "1")]);
+    assert!(out.contains("gather child ok: refused"), "{out}");
+    let _ = std::fs::remove_dir_all(lib.parent().unwrap());
+}
+
+#[test]
+#[ignore = "run by mock_gather_kernel in a child process"]
+fn mock_gather_child() {
+    if !in_mock_child() {
+        return;
+    }
+    let p = Context::primary(0).unwrap();
+    if std::env::var("MOCK_CUDA_NO_KERNEL").is_ok() {
+        let e = CopyKernel::load(&p).err().expect("refused");
+        assert!(e.to_string().contains("cuModuleLoadData"), "{e}");
+        println!("gather child ok: refused ({e})");
+        return;
+    }
+    let n = gather_kernel_checks(&p);
+    println!("gather child ok: {n} launch(es)");
+}
+
+#[test]
+fn gpu_gather_kernel() {
+    let Some(_) = gpu() else { return };
+    let owned = Context::create(0).unwrap();
+    let n = gather_kernel_checks(&owned);
+    // Speed next to the copy engines: 4096 x 4 KiB scattered, kernel vs cuMemcpyBatchAsync.
+    const B: usize = 4096;
+    const N: usize = 4096;
+    let src = DeviceBuffer::new(&owned, 2 * N * B).unwrap();
+    let dst = DeviceBuffer::new(&owned, 2 * N * B).unwrap();
+    let copies: Vec<(u64, u64, usize)> =
+        (0..N).map(|i| (dst.addr() + (2 * i * B) as u64, src.addr() + ((2 * (N - 1 - i) + 1) * B) as u64, B)).collect();
+    let k = CopyKernel::load(&owned).unwrap();
+    let stream = Stream::new(&owned).unwrap();
+    owned.make_current().unwrap();
+    let time = |f: &dyn Fn()| {
+        f();
+        stream.synchronize().unwrap();
+        let t = Instant::now();
+        for _ in 0..20 {
+            f();
+        }
+        stream.synchronize().unwrap();
+        t.elapsed().as_secs_f64() / 20.0
+    };
+    // SAFETY: all ranges lie inside src/dst, alive until after the synchronizes.
+    let tk = time(&|| unsafe { k.launch(&stream, &copies).map(|_| ()).unwrap() });
+    let (mut d, mut s, mut z): (Vec<u64>, Vec<u64>, Vec<usize>) =
+        (copies.iter().map(|c| c.0).collect(), copies.iter().map(|c| c.1).collect(), copies.iter().map(|c| c.2).collect());
+    let _ = (&mut d, &mut s, &mut z);
+    let tb = if Driver::get().unwrap().has_batch_copy() {
+        let cell = std::cell::RefCell::new((d, s, z));
+        // SAFETY: as above.
+        time(&|| unsafe {
+            let mut g = cell.borrow_mut();
+            let (d, s, z) = &mut *g;
+            stream.copy_batch(d, s, z).unwrap()
+        })
+    } else {
+        f64::NAN
+    };
+    let gb = (N * B) as f64 / 1e9;
+    println!("gather kernel ({n} launches in the checks): {N} x {B} B scattered: kernel {:.1} us ({:.1} GB/s), cuMemcpyBatchAsync {:.1} us ({:.1} GB/s)",
+             tk * 1e6, gb / tk, tb * 1e6, gb / tb);
 }

@@ -26,6 +26,8 @@ pub struct Core {
     pub gpu: Arc<super::gpu::GpuRegistry>,
     /// Peers' GPU allocations opened here by IPC.
     pub ipc: super::direct::IpcCache,
+    /// Every live registration, as engines of this process (and copy requests) see them.
+    pub view: Arc<super::local_peers::ProcessView>,
     /// Debug only (regression test of the seed bug): never apply captured contexts.
     pub skip_ctx_apply: bool,
     notifs: Mutex<Vec<(String, Vec<u8>)>>,
@@ -42,7 +44,8 @@ pub struct Core {
 }
 
 impl Core {
-    pub fn new(name: &str, engine_id: u64, cfg: Config, conn_info: Vec<u8>, rails: usize, closeq: SharedCloseQueue) -> Core {
+    pub fn new(name: &str, engine_id: u64, cfg: Config, conn_info: Vec<u8>, rails: usize, closeq: SharedCloseQueue,
+               view: Arc<super::local_peers::ProcessView>) -> Core {
         // SAFETY: eventfd takes no pointers; a failure returns -1, which we tolerate (the
         // thread then wakes on its timeout).
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -56,6 +59,7 @@ impl Core {
             closeq,
             gpu: Arc::new(super::gpu::GpuRegistry::default()),
             ipc: super::direct::IpcCache::default(),
+            view,
             skip_ctx_apply: std::env::var("NIXL_FABRIC_DEBUG_SKIP_CTX_APPLY").is_ok_and(|v| v == "1"),
             notifs: Mutex::new(Vec::new()),
             submit: Mutex::new(Vec::new()),

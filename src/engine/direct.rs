@@ -14,7 +14,9 @@ use super::driver::Driver;
 use super::local_peers::Locality;
 use super::registry::LocalMem;
 use super::request::{Op, Phase, ReqState, Request, SegKind};
-use super::wire::IpcDesc;
+use super::staging::Slab;
+use super::wire::{self, CopyReq, CtrlType, IpcDesc, StageAck};
+use crate::error::Status;
 use crate::cuda;
 use crate::error::{Error, Result};
 use std::collections::{HashMap, HashSet};
@@ -23,6 +25,11 @@ use std::sync::{Arc, Mutex, Weak};
 /// Streams per context that single copies are spread over where the driver has no batch
 /// copy: small copies of one descriptor each then overlap on the copy engines.
 const FALLBACK_STREAMS: usize = 4;
+/// Device ranges longer than this go to the copy engines even in a many-range request: one
+/// long range copies as fast there, and would leave most of a shared launch's CTAs idle.
+const KERNEL_MAX_RANGE: usize = 4 << 20;
+/// Fewest ranges worth a launch of their own when a request is spread over the streams.
+const KERNEL_MIN_GROUP: usize = 64;
 
 /// A peer's device allocation opened in this process. Shared by every descriptor and
 /// request that uses it; closed when the last of them is gone, or at once when the peer
@@ -67,11 +74,17 @@ impl Drop for IpcEntry {
 pub struct IpcCache {
     open: Mutex<HashMap<(u64, u64, usize), Weak<IpcEntry>>>,
     failed: Mutex<HashSet<(u64, u64)>>,
+    /// Peers (engine ids) that could not open our memory: copies with them are staged.
+    refused: Mutex<HashSet<u64>>,
 }
 
 impl IpcCache {
     /// Closes every mapping of `peer_id` now (the peer disconnected). The caller made sure no
     /// copy on them is still running.
+    pub fn refuse(&self, engine_id: u64) {
+        self.refused.lock().unwrap_or_else(|p| p.into_inner()).insert(engine_id);
+    }
+
     pub fn close_peer(&self, peer_id: u64) {
         let entries: Vec<Arc<IpcEntry>> = {
             let mut m = self.open.lock().unwrap_or_else(|p| p.into_inner());
@@ -92,6 +105,8 @@ pub enum Keep {
     /// A same-process peer's registration: not kept alive by us (its owner decides), only
     /// checked to still exist when a post starts.
     Local(Weak<LocalMem>),
+    /// Our own exported allocation that PeerCopy segments name.
+    Export(IpcDesc),
 }
 
 /// Whether every direct target of `keeps` is still there; the error otherwise.
@@ -109,6 +124,10 @@ pub fn check_keeps(keeps: &[Keep]) -> Result<()> {
 }
 
 impl Core {
+    pub fn peer_copy_refused(&self, engine_id: u64) -> bool {
+        self.ipc.refused.lock().unwrap_or_else(|p| p.into_inner()).contains(&engine_id)
+    }
+
     /// The IPC route is on: config gpu_ipc, and same_host_shm (the switch of every
     /// same-host path).
     pub fn ipc_enabled(&self) -> bool {
@@ -119,7 +138,7 @@ impl Core {
     /// with our memory `local` (VRAM: its context; DRAM: the primary context of the device
     /// holding the peer's allocation). None, with one INFO line per allocation, where the
     /// handle cannot be opened: the caller then stages.
-    pub fn ipc_open(self: &Arc<Self>, peer_id: u64, peer_name: &str, ipc: &IpcDesc, local: &LocalMem) -> Option<Arc<IpcEntry>> {
+    pub fn ipc_open(self: &Arc<Self>, peer_id: u64, peer_name: &str, ipc: &IpcDesc, local_ctx: Option<cuda::Context>) -> Option<Arc<IpcEntry>> {
         let key = (peer_id, ipc.alloc_base);
         if self.ipc.failed.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
             return None;
@@ -129,8 +148,8 @@ impl Core {
             self.ipc.failed.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
             None
         };
-        let (ctx, primary) = match local.dev {
-            Some(d) => (d.ctx, None),
+        let (ctx, primary) = match local_ctx {
+            Some(c) => (c, None),
             None => {
                 let d = match cuda::Driver::get() {
                     Ok(d) => d,
@@ -177,24 +196,44 @@ impl Core {
     }
 }
 
-/// The direct route for one descriptor pair, if there is one: the segment (addresses both
-/// in this process) and what the request must keep. `raddr`/`rlen` were checked against the
-/// descriptor already.
-pub fn plan(core: &Arc<Core>, peer: &super::peer::Peer, local: (u64, u64, &LocalMem), remote: (u64, &super::wire::MemDesc)) -> Option<(u64, SegKind, Keep)> {
+/// The direct route for one descriptor pair, if there is one: the segment's remote address
+/// and kind, and what the request must keep. The pair was bounds-checked already.
+pub fn plan(core: &Arc<Core>, peer: &super::peer::Peer, local: (u64, u64, &LocalMem),
+            remote: (u64, &super::wire::MemDesc, &Mutex<Vec<Arc<IpcEntry>>>)) -> Option<(u64, SegKind, Keep)> {
     let (_la, ll, lm) = local;
-    let (ra, desc) = remote;
+    let (ra, desc, opened) = remote;
+    let pin = |m: &LocalMem, ctx: Option<cuda::Context>| {
+        if let (Some(c), true) = (ctx, core.cfg.pin_host_memory) {
+            m.pin_for_gpu(&c);
+        }
+    };
     match &peer.local {
         Locality::SameProcess(view) if core.cfg.same_host_shm => {
             let kind = super::registry::MemKind::from_raw(desc.mem_type as u32).ok()?;
             let rm = view.upgrade()?.find(ra, ll, kind)?;
             let ctx = lm.dev.map(|d| d.ctx).or(rm.dev.map(|d| d.ctx));
-            Some((ra, SegKind::Direct { ctx }, Keep::Local(Arc::downgrade(&rm))))
+            pin(lm, ctx);
+            pin(&rm, ctx);
+            let dev = lm.dev.is_some() && rm.dev.is_some();
+            Some((ra, SegKind::Direct { ctx, dev }, Keep::Local(Arc::downgrade(&rm))))
         }
         Locality::SameHost(_) if core.ipc_enabled() => {
-            let ipc = desc.ipc.as_ref()?;
-            let e = core.ipc_open(peer.id, &peer.name, ipc, lm)?;
-            let mapped = e.base + (ra - e.remote_base);
-            Some((mapped, SegKind::Direct { ctx: Some(e.ctx) }, Keep::Ipc(e)))
+            if let Some(ipc) = desc.ipc.as_ref() {
+                let e = core.ipc_open(peer.info.engine_id, &peer.name, ipc, lm.dev.map(|d| d.ctx))?;
+                let mut held = opened.lock().unwrap_or_else(|p| p.into_inner());
+                if !held.iter().any(|x| Arc::ptr_eq(x, &e)) {
+                    held.push(e.clone());
+                }
+                drop(held);
+                pin(lm, Some(e.ctx));
+                let mapped = e.base + (ra - e.remote_base);
+                let dev = lm.dev.is_some();
+                return Some((mapped, SegKind::Direct { ctx: Some(e.ctx), dev }, Keep::Ipc(e)));
+            }
+            // Our GPU memory with the peer's host memory: the peer copies, since only it can
+            // address its host memory; it opens our allocation from the handle we send.
+            let own = lm.ipc.as_ref().filter(|_| desc.mem_type == 0 && !core.peer_copy_refused(peer.info.engine_id))?;
+            Some((ra, SegKind::PeerCopy { alloc: own.alloc_base }, Keep::Export(own.clone())))
         }
         _ => None,
     }
@@ -215,13 +254,38 @@ pub struct DirectJob {
 pub struct Direct {
     streams: HashMap<usize, Vec<cuda::Stream>>,
     jobs: Vec<DirectJob>,
+    /// The gather-copy kernel per context (None: it cannot run there; not tried again).
+    kernels: HashMap<usize, Option<cuda::CopyKernel>>,
     batch_off: bool,
     logged: bool,
+    /// Copy requests we sent, waiting for the peer's answer.
+    asked: Slab<Asked>,
+    /// Peers' copy requests whose device copies are running here.
+    serves: Vec<Serve>,
+    /// Allocations of initiators opened to serve them, kept open between their requests
+    /// (by initiator engine id) until the initiator exits or the engine shuts down.
+    served: HashMap<u64, Vec<Arc<IpcEntry>>>,
+}
+
+/// One copy request we sent: the post it belongs to and the bytes it moves.
+pub struct Asked {
+    req: Arc<Request>,
+    epoch: u64,
+    bytes: u64,
+    peer_id: u64,
+}
+
+/// A peer's copy request being served: its device copies, then the answer.
+struct Serve {
+    from: u64,
+    token: u64,
+    ctx: cuda::Context,
+    events: Vec<cuda::Event>,
 }
 
 impl Direct {
     pub fn idle(&self) -> bool {
-        self.jobs.is_empty()
+        self.jobs.is_empty() && self.asked.is_empty() && self.serves.is_empty()
     }
 
     fn streams(&mut self, ctx: cuda::Context) -> Result<&[cuda::Stream]> {
@@ -260,19 +324,23 @@ impl Driver {
         let mut end = first;
         while let Some(s) = req.segs.get(end) {
             match s.kind {
-                SegKind::Direct { ctx: c } if c == ctx => end += 1,
+                SegKind::Direct { ctx: c, .. } if c == ctx => end += 1,
                 _ => break,
             }
         }
         let write = req.op == Op::Write;
-        let mut copies: Vec<(u64, u64, usize)> = req.segs[first..end]
-            .iter()
-            .map(|s| if write { (s.raddr, s.local, s.len as usize) } else { (s.local, s.raddr, s.len as usize) })
-            .collect();
-        let bytes: u64 = copies.iter().map(|c| c.2 as u64).sum();
+        let (mut dev, mut copies) = (Vec::new(), Vec::with_capacity(end - first));
+        for s in &req.segs[first..end] {
+            let c = if write { (s.raddr, s.local, s.len as usize) } else { (s.local, s.raddr, s.len as usize) };
+            match s.kind {
+                SegKind::Direct { dev: true, .. } => dev.push(c),
+                _ => copies.push(c),
+            }
+        }
+        let bytes: u64 = dev.iter().chain(&copies).map(|c| c.2 as u64).sum();
         st.next = end;
         let Some(ctx) = ctx else {
-            for (d, s, n) in copies {
+            for (d, s, n) in copies.into_iter().chain(dev) {
                 // SAFETY: both ranges lie in live registrations of engines of this process
                 // (bounds-checked at preparation, the peer's checked to exist at post);
                 // `copy` tolerates overlap.
@@ -284,9 +352,39 @@ impl Driver {
             return Ok(());
         };
         self.apply_ctx(&ctx)?;
+        let events = self.queue_copies(ctx, dev, copies)?;
+        st.outstanding += 1;
+        st.inflight_total += 1;
+        super::counters::add(&self.core.counters.ops_posted, 1);
+        self.direct.jobs.push(DirectJob { req: req.clone(), epoch: st.epoch, bytes, ctx, events });
+        Ok(())
+    }
+
+    /// Queues copies (dst, src, len) on `ctx`'s streams (the context is current): `dev`
+    /// (device memory at both ends) as gather-kernel launches where there are several
+    /// ranges of at most KERNEL_MAX_RANGE; the rest in one batch call where the driver has
+    /// it, else one copy per coalesced range spread over the streams. Returns the events
+    /// that complete after them.
+    fn queue_copies(&mut self, ctx: cuda::Context, mut dev: Vec<(u64, u64, usize)>, mut copies: Vec<(u64, u64, usize)>)
+        -> Result<Vec<cuda::Event>> {
+        coalesce(&mut dev);
+        let mut events = Vec::with_capacity(FALLBACK_STREAMS * 2);
+        if dev.len() > 1 && self.core.cfg.gpu_copy_kernel {
+            let (small, large): (Vec<_>, Vec<_>) = dev.into_iter().partition(|c| c.2 <= KERNEL_MAX_RANGE);
+            copies.extend(large);
+            match self.launch_gather(ctx, &small)? {
+                Some(evs) => events.extend(evs),
+                None => copies.extend(small),
+            }
+        } else {
+            copies.extend(dev);
+        }
         coalesce(&mut copies);
+        if copies.is_empty() {
+            return Ok(events);
+        }
+        let mut copy_events = Vec::with_capacity(FALLBACK_STREAMS);
         let batch = copies.len() > 1 && !self.direct.batch_off && cuda::Driver::get().is_ok_and(|d| d.has_batch_copy());
-        let mut events = Vec::with_capacity(FALLBACK_STREAMS);
         if batch {
             let mut dsts: Vec<u64> = copies.iter().map(|c| c.0).collect();
             let mut srcs: Vec<u64> = copies.iter().map(|c| c.1).collect();
@@ -296,7 +394,7 @@ impl Driver {
             // allocation mapped here, held by the request until the job's event completes.
             match unsafe { stream.copy_batch(&mut dsts, &mut srcs, &mut sizes) } {
                 Ok(()) => {
-                    events.push(stream.record()?);
+                    copy_events.push(stream.record()?);
                     super::counters::add(&self.core.counters.gpu_batch_calls, 1);
                 }
                 Err(e) if cuda::batch_unsupported(&e) => {
@@ -306,7 +404,7 @@ impl Driver {
                 Err(e) => return Err(e.into()),
             }
         }
-        if events.is_empty() {
+        if copy_events.is_empty() {
             if !self.direct.logged {
                 self.direct.logged = true;
                 log::info!("{}: direct GPU copies: {}", self.core.name, if batch || !self.direct.batch_off && cuda::Driver::get().is_ok_and(|d| d.has_batch_copy()) {
@@ -322,15 +420,72 @@ impl Driver {
                 unsafe { streams[i % used].copy_async(*d, *s, *n)? };
             }
             for s in &streams[..used] {
-                events.push(s.record()?);
+                copy_events.push(s.record()?);
             }
             super::counters::add(&self.core.counters.gpu_copy_calls, copies.len() as u64);
         }
-        st.outstanding += 1;
-        st.inflight_total += 1;
-        super::counters::add(&self.core.counters.ops_posted, 1);
-        self.direct.jobs.push(DirectJob { req: req.clone(), epoch: st.epoch, bytes, ctx, events });
-        Ok(())
+        events.extend(copy_events);
+        Ok(events)
+    }
+
+    /// Launches the gather kernel of `ctx` for `copies` over the streams (one launch per
+    /// up to 1364 ranges, round robin). None where the kernel cannot run here (not
+    /// loadable, or a launch refused): the caller copies them another way.
+    fn launch_gather(&mut self, ctx: cuda::Context, copies: &[(u64, u64, usize)]) -> Result<Option<Vec<cuda::Event>>> {
+        if copies.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        if !self.direct.kernels.contains_key(&ctx.id()) {
+            let k = match cuda::CopyKernel::load(&ctx) {
+                Ok(k) => {
+                    log::info!("{}: direct GPU copies of many device ranges: one gather-kernel launch per {} ranges",
+                               self.core.name, k.ranges_per_launch());
+                    Some(k)
+                }
+                Err(e) => {
+                    log::info!("{}: the gather-copy kernel cannot run here ({e}); device ranges go to the copy engines", self.core.name);
+                    None
+                }
+            };
+            self.direct.kernels.insert(ctx.id(), k);
+        }
+        let per = match self.direct.kernels.get(&ctx.id()) {
+            Some(Some(k)) => k.ranges_per_launch(),
+            _ => return Ok(None),
+        };
+        // Enough groups to use every stream, each within one launch's parameter block.
+        let groups = copies.len().div_ceil(per).max(copies.len().div_ceil(KERNEL_MIN_GROUP).min(FALLBACK_STREAMS));
+        let chunk = copies.len().div_ceil(groups);
+        self.direct.streams(ctx)?;
+        let (Some(Some(k)), Some(streams)) = (self.direct.kernels.get(&ctx.id()), self.direct.streams.get(&ctx.id())) else {
+            return Ok(None);
+        };
+        let mut used = 0;
+        let mut launches = 0;
+        for (i, group) in copies.chunks(chunk).enumerate() {
+            // SAFETY: both ends of every range are device memory of a live registration or
+            // a peer's allocation mapped here, held by the request until its events complete.
+            match unsafe { k.launch(&streams[i % streams.len()], group) } {
+                Ok(n) => launches += n,
+                Err(e) => {
+                    log::info!("{}: the gather-copy kernel failed to launch ({e}); device ranges go to the copy engines", self.core.name);
+                    // Launches already queued must not outlive the request: wait for them
+                    // (rare: the first launch on a context is where a driver refuses).
+                    for s in &streams[..used] {
+                        s.synchronize()?;
+                    }
+                    self.direct.kernels.insert(ctx.id(), None);
+                    return Ok(None);
+                }
+            }
+            used = used.max(i % streams.len() + 1);
+        }
+        let mut events = Vec::with_capacity(used);
+        for s in &streams[..used] {
+            events.push(s.record()?);
+        }
+        super::counters::add(&self.core.counters.gpu_kernel_launches, launches as u64);
+        Ok(Some(events))
     }
 
     /// Polls the device copies in flight; finishes the requests whose copies are all done.
@@ -360,10 +515,14 @@ impl Driver {
     }
 
     fn finish_direct(&mut self, job: DirectJob, res: Result<()>) {
-        let req = job.req;
+        self.finish_copy(job.req, job.epoch, job.bytes, res);
+    }
+
+    /// One direct job or answered copy request of post `epoch` of `req` ended.
+    fn finish_copy(&mut self, req: Arc<Request>, epoch: u64, bytes: u64, res: Result<()>) {
         let mut st = req.state();
         st.inflight_total = st.inflight_total.saturating_sub(1);
-        if st.epoch != job.epoch || st.phase != Phase::Data {
+        if st.epoch != epoch || st.phase != Phase::Data {
             return;
         }
         st.outstanding -= 1;
@@ -376,8 +535,8 @@ impl Driver {
         match res {
             Ok(()) => {
                 let c = &self.core.counters;
-                super::counters::add(if req.op == Op::Write { &c.bytes_written } else { &c.bytes_read }, job.bytes);
-                super::counters::add(&c.gpu_direct_bytes, job.bytes);
+                super::counters::add(if req.op == Op::Write { &c.bytes_written } else { &c.bytes_read }, bytes);
+                super::counters::add(&c.gpu_direct_bytes, bytes);
                 super::counters::add(&c.ops_completed, 1);
             }
             Err(e) => {
@@ -391,9 +550,10 @@ impl Driver {
         }
     }
 
-    /// Waits for the device copies toward `peer_id` to end (they finish on their own; the GPU
-    /// does not wait for the peer), so its mappings can be closed under no running copy.
-    pub(super) fn drain_direct(&mut self, peer_id: u64) {
+    /// Waits for the device copies toward `peer_id` (engine `engine_id`) to end (they finish
+    /// on their own; the GPU does not wait for the peer), so its mappings can be closed under
+    /// no running copy, and forgets the copy requests it will never answer.
+    pub(super) fn drain_direct(&mut self, peer_id: u64, engine_id: u64) {
         for job in &self.direct.jobs {
             if job.req.peer().is_some_and(|p| p.id == peer_id) {
                 for ev in &job.events {
@@ -403,7 +563,172 @@ impl Driver {
                 }
             }
         }
-        self.core.ipc.close_peer(peer_id);
+        self.core.ipc.close_peer(engine_id);
+        for token in self.direct.asked.tokens() {
+            if self.direct.asked.get_mut(token).is_some_and(|a| a.peer_id == peer_id) {
+                if let Some(a) = self.direct.asked.remove(token) {
+                    self.finish_copy(a.req, a.epoch, 0, Err(Error::Disconnected("peer was disconnected".into())));
+                }
+            }
+        }
+    }
+
+    // ---- copies the peer makes: our GPU memory with its host memory ----
+
+    /// Sends copy requests for the run of PeerCopy segments of `req` from `st.next` that
+    /// name allocation `alloc`, as many as the control buffers need.
+    pub(super) fn start_peer_copy(&mut self, req: &Arc<Request>, st: &mut ReqState, alloc: u64) -> Result<()> {
+        let peer = req.peer().cloned().ok_or_else(|| Error::Backend("copy request without a peer".into()))?;
+        let ipc = req.keeps.iter().find_map(|k| match k {
+            Keep::Export(i) if i.alloc_base == alloc => Some(i.clone()),
+            _ => None,
+        }).ok_or_else(|| Error::Backend("copy request for an allocation the request does not export".into()))?;
+        let per_msg = self.ctrl_payload_room().saturating_sub(256) / 24;
+        let per_msg = per_msg.clamp(1, wire::COPY_MAX_RANGES);
+        let first = st.next;
+        let mut end = first;
+        while let Some(s) = req.segs.get(end) {
+            match s.kind {
+                SegKind::PeerCopy { alloc: a } if a == alloc => end += 1,
+                _ => break,
+            }
+        }
+        st.next = end;
+        let to_receiver = req.op == Op::Write;
+        for chunk in req.segs[first..end].chunks(per_msg) {
+            let bytes = chunk.iter().map(|s| s.len).sum();
+            let token = self.direct.asked.insert(Asked { req: req.clone(), epoch: st.epoch, bytes, peer_id: peer.id });
+            let msg = CopyReq { token, to_receiver, ipc: ipc.clone(), ranges: chunk.iter().map(|s| (s.local, s.raddr, s.len)).collect() };
+            if let Err(e) = self.send_ctrl(&peer, CtrlType::Copy, &msg.encode(), None) {
+                self.direct.asked.remove(token);
+                return Err(e);
+            }
+            st.outstanding += 1;
+            st.inflight_total += 1;
+            super::counters::add(&self.core.counters.ops_posted, 1);
+        }
+        Ok(())
+    }
+
+    /// The peer's answer to one of our copy requests.
+    pub(super) fn on_copy_ack(&mut self, sender_id: u64, sender: &str, a: StageAck) {
+        let Some(asked) = self.direct.asked.remove(a.token) else { return };
+        let status = Status::from_code(a.status);
+        let res = if status == Status::NF_SUCCESS {
+            Ok(())
+        } else {
+            if status == Status::NF_ERR_NOT_SUPPORTED {
+                log::info!("{}: agent '{sender}' cannot open our GPU memory by IPC; copies with its host memory are staged from now on", self.core.name);
+                self.core.ipc.refuse(sender_id);
+            }
+            Err(Error::Backend(format!("agent '{sender}' could not copy: {}", status.name())))
+        };
+        self.finish_copy(asked.req, asked.epoch, asked.bytes, res);
+    }
+
+    /// A peer asks us to copy between our host memory and its GPU allocation.
+    pub(super) fn on_copy_request(&mut self, sender_id: u64, sender: &str, c: CopyReq) {
+        let status = match self.serve_copy(sender_id, sender, &c) {
+            Ok(()) => return,
+            Err(e) => {
+                log::error!("{}: copy request from agent '{sender}': {e}", self.core.name);
+                match e {
+                    Error::NotSupported(_) => Status::NF_ERR_NOT_SUPPORTED,
+                    e => e.status(),
+                }
+            }
+        };
+        self.answer_copy(sender_id, c.token, status);
+    }
+
+    fn serve_copy(&mut self, sender_id: u64, sender: &str, c: &CopyReq) -> Result<()> {
+        if !self.core.ipc_enabled() {
+            return Err(Error::NotSupported("GPU IPC is off here".into()));
+        }
+        // Every host range must lie in one of our DRAM registrations: the request is untrusted.
+        let mut copies = Vec::with_capacity(c.ranges.len());
+        let mut mems: Vec<Arc<LocalMem>> = Vec::new();
+        for &(_, h, n) in &c.ranges {
+            let m = self.core.view.find(h, n, super::registry::MemKind::Dram)
+                .ok_or_else(|| Error::InvalidParam(format!("[{h:#x}, +{n}) is not registered host memory of ours")))?;
+            if !mems.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                mems.push(m);
+            }
+        }
+        let entry = self.core.ipc_open(sender_id, sender, &c.ipc, None)
+            .ok_or_else(|| Error::NotSupported("its GPU memory cannot be opened here".into()))?;
+        if self.core.cfg.pin_host_memory {
+            for m in &mems {
+                m.pin_for_gpu(&entry.ctx);
+            }
+        }
+        for &(s, h, n) in &c.ranges {
+            let mapped = entry.base + (s - entry.remote_base);
+            copies.push(if c.to_receiver { (h, mapped, n as usize) } else { (mapped, h, n as usize) });
+        }
+        let ctx = entry.ctx;
+        let held = self.direct.served.entry(sender_id).or_default();
+        if !held.iter().any(|e| Arc::ptr_eq(e, &entry)) {
+            held.push(entry);
+        }
+        self.apply_ctx(&ctx)?;
+        let events = self.queue_copies(ctx, Vec::new(), copies)?;
+        self.direct.serves.push(Serve { from: sender_id, token: c.token, ctx, events });
+        Ok(())
+    }
+
+    fn answer_copy(&mut self, to: u64, token: u64, status: Status) {
+        let Some(dest) = self.initiator_addr(to) else {
+            log::warn!("{}: cannot answer a copy request: its sender is unknown", self.core.name);
+            return;
+        };
+        let ack = StageAck { token, status: status.code() };
+        let bytes = wire::encode_ctrl(CtrlType::CopyAck, self.core.engine_id, &self.core.name, &ack.encode());
+        self.ctrl_out.push_back(super::driver::CtrlOut { peer_id: 0, dest, bytes, req: None });
+    }
+
+    /// Polls the copies we serve; answers the finished ones.
+    pub(super) fn advance_serves_direct(&mut self) -> bool {
+        if self.direct.serves.is_empty() {
+            return false;
+        }
+        let serves = std::mem::take(&mut self.direct.serves);
+        let mut keep = Vec::with_capacity(serves.len());
+        for s in serves {
+            let res = self.apply_ctx(&s.ctx).and_then(|_| {
+                let mut done = true;
+                for ev in &s.events {
+                    done &= ev.query()?;
+                }
+                Ok(done)
+            });
+            match res {
+                Ok(false) => keep.push(s),
+                Ok(true) => self.answer_copy(s.from, s.token, Status::NF_SUCCESS),
+                Err(e) => {
+                    log::error!("{}: serving a copy request: {e}", self.core.name);
+                    self.answer_copy(s.from, s.token, e.status());
+                }
+            }
+        }
+        self.direct.serves.extend(keep);
+        true
+    }
+
+    /// Closes what we opened for initiators that have exited (after their copies ended).
+    pub(super) fn forget_exited_initiators(&mut self) {
+        let gone: Vec<u64> = self.direct.served.keys().copied().filter(|&id| !self.initiator_alive(id)).collect();
+        for id in gone {
+            for s in self.direct.serves.iter().filter(|s| s.from == id) {
+                for ev in &s.events {
+                    let _ = ev.synchronize();
+                }
+            }
+            self.direct.serves.retain(|s| s.from != id);
+            self.direct.served.remove(&id);
+            self.core.ipc.close_peer(id);
+            log::info!("{}: an initiator that had its GPU memory opened here exited; closed its mappings", self.core.name);
+        }
     }
 }
 

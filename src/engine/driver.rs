@@ -96,6 +96,8 @@ struct Initiator {
     name: String,
     info: Option<wire::ConnInfo>,
     addr: Option<FiAddr>,
+    /// Watches its process when it is on this host (copy requests open its GPU memory).
+    pidfd: Option<super::local_peers::PidFd>,
 }
 
 const SEND_BUFFERS: usize = 32;
@@ -280,7 +282,7 @@ impl Driver {
             self.post_flushes();
             self.flush_ctrl();
         }
-        let staging = self.advance_staging() | self.advance_direct();
+        let staging = self.advance_staging() | self.advance_direct() | self.advance_serves_direct();
         if staging {
             self.flush_ctrl();
         }
@@ -340,6 +342,16 @@ impl Driver {
             }
         }
         ini.addr
+    }
+
+    /// False once an initiator on this host is known to have exited.
+    pub(super) fn initiator_alive(&self, engine_id: u64) -> bool {
+        self.initiators.get(&engine_id).is_some_and(|i| !i.pidfd.as_ref().is_some_and(|f| f.exited()))
+    }
+
+    /// Room for a control message's payload (the buffers' size less header and our name).
+    pub(super) fn ctrl_payload_room(&self) -> usize {
+        self.ctrl.size.saturating_sub(wire::CTRL_HEADER + self.core.name.len())
     }
 
     pub(super) fn initiator_id_by_addr(&self, addr: FiAddr) -> Option<u64> {
@@ -526,6 +538,7 @@ impl Driver {
     }
 
     pub fn disconnect(&mut self, peer_id: u64) {
+        let engine_id = self.conns.get(&peer_id).map(|c| c.peer.info.engine_id);
         if let Some(c) = self.conns.remove(&peer_id) {
             for (l, row) in c.addrs.iter().enumerate() {
                 for a in row.iter().flatten() {
@@ -536,7 +549,9 @@ impl Driver {
         }
         self.ctrl_out.retain(|m| m.peer_id != peer_id);
         self.reclaim_inline_ops(peer_id);
-        self.drain_direct(peer_id);
+        if let Some(id) = engine_id {
+            self.drain_direct(peer_id, id);
+        }
         let active = std::mem::take(&mut self.active);
         for req in &active {
             if req.peer().is_some_and(|p| p.id == peer_id) {
@@ -589,8 +604,13 @@ impl Driver {
             let epoch = st.epoch;
             while st.next < req.segs.len() {
                 let s = req.segs[st.next];
-                if let SegKind::Direct { ctx } = s.kind {
-                    if let Err(e) = self.start_direct(&req, &mut st, ctx) {
+                let direct = match s.kind {
+                    SegKind::Direct { ctx, .. } => Some(self.start_direct(&req, &mut st, ctx)),
+                    SegKind::PeerCopy { alloc } => Some(self.start_peer_copy(&req, &mut st, alloc)),
+                    _ => None,
+                };
+                if let Some(res) = direct {
+                    if let Err(e) = res {
                         log::error!("{}: direct copy for agent '{}': {e}", self.core.name, req.peer().map_or("", |p| p.name.as_str()));
                         st.error.get_or_insert(e);
                         st.next = req.segs.len();
@@ -985,7 +1005,13 @@ impl Driver {
                             None
                         }
                     };
-                    self.initiators.insert(msg.sender_id, Initiator { name: msg.sender.to_string(), info, addr: None });
+                    let our_host = wire::ConnInfo::decode(&self.core.conn_info).map(|c| c.host_id).ok();
+                    let pidfd = info.as_ref()
+                        .filter(|i| Some(i.host_id) == our_host && i.host_id != [0; 16])
+                        .and_then(|i| i.process.as_ref())
+                        .filter(|p| p.pid != std::process::id())
+                        .and_then(|p| super::local_peers::PidFd::open(p.pid));
+                    self.initiators.insert(msg.sender_id, Initiator { name: msg.sender.to_string(), info, addr: None, pidfd });
                 }
             }
             CtrlType::Stage => match wire::Stage::decode(msg.payload) {
@@ -998,6 +1024,20 @@ impl Driver {
             },
             // Its receive completion already made this pass busy: that is all it is for.
             CtrlType::Kick => {}
+            CtrlType::Copy => match wire::CopyReq::decode(msg.payload) {
+                Ok(c) => {
+                    let sender = msg.sender.to_string();
+                    self.on_copy_request(msg.sender_id, &sender, c)
+                }
+                Err(e) => log::warn!("{}: dropping a copy request from '{}': {e}", self.core.name, msg.sender),
+            },
+            CtrlType::CopyAck => match wire::StageAck::decode(msg.payload) {
+                Ok(a) => {
+                    let sender = msg.sender.to_string();
+                    self.on_copy_ack(msg.sender_id, &sender, a)
+                }
+                Err(e) => log::warn!("{}: dropping a copy answer from '{}': {e}", self.core.name, msg.sender),
+            },
             CtrlType::Notif => {
                 add(&self.core.counters.notifs_received, 1);
                 self.core.push_notif(msg.sender.to_string(), msg.payload.to_vec());
@@ -1015,6 +1055,7 @@ impl Driver {
         self.last_sweep = now;
         let all = std::mem::take(&mut self.probe_now);
         self.probe_same_host(all);
+        self.forget_exited_initiators();
         let timeout = self.core.cfg.timeout();
         let active = std::mem::take(&mut self.active);
         let mut keep = Vec::with_capacity(active.len());

@@ -63,8 +63,6 @@ pub struct Engine {
     shut: AtomicBool,
     /// Read by same-host peers through CMA; published in our connection info.
     _token: cma::Token,
-    /// What engines of this process see of us (our registrations, addressable as they are).
-    view: Arc<local_peers::ProcessView>,
 }
 
 fn random_u64() -> u64 {
@@ -159,7 +157,7 @@ impl Engine {
         }).collect();
         let closeq: SharedCloseQueue = Arc::new(Mutex::new(CloseQueue::default()));
         let threaded = cfg.progress_thread;
-        let core = Arc::new(Core::new(name, engine_id, cfg, conn.encode(), rails.len(), closeq));
+        let core = Arc::new(Core::new(name, engine_id, cfg, conn.encode(), rails.len(), closeq, view));
         let driver = Arc::new(Mutex::new(Driver::new(core.clone(), rails)?));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = if threaded {
@@ -184,7 +182,6 @@ impl Engine {
             threaded,
             shut: AtomicBool::new(false),
             _token: token,
-            view,
         }))
     }
 
@@ -279,7 +276,7 @@ impl Engine {
         if let Some(d) = dev {
             self.core.gpu.add(&m, d.ctx);
         }
-        self.view.add(&m);
+        self.core.view.add(&m);
         Ok(m)
     }
 
@@ -432,7 +429,7 @@ impl Engine {
                 "memory descriptor has {} rail keys, agent '{name}' has {} rails", desc.keys.len(), peer.info.rails.len()
             )));
         }
-        Ok(Arc::new(RemoteMem::Peer { peer, desc }))
+        Ok(Arc::new(RemoteMem::Peer { peer, desc, opened: Mutex::new(Vec::new()) }))
     }
 
     pub fn self_target(&self, mem: &Arc<LocalMem>) -> Result<Arc<RemoteMem>> {
@@ -478,7 +475,7 @@ impl Engine {
                     let kind = if lm.dev.is_some() || m.dev.is_some() { SegKind::LocalDev { local: lm.dev, remote: m.dev } } else { SegKind::Rma };
                     segs.push(Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0, kind });
                 }
-                (Target::Peer(peer), RemoteMem::Peer { peer: owner, desc }) => {
+                (Target::Peer(peer), RemoteMem::Peer { peer: owner, desc, opened }) => {
                     if owner.id != peer.id {
                         return Err(Error::InvalidParam(format!(
                             "remote descriptor {i} belongs to agent '{}', not '{peer_name}'", owner.name
@@ -488,7 +485,7 @@ impl Engine {
                     if route.is_empty() || route.iter().any(|p| p.rrail as usize >= desc.keys.len()) {
                         return Err(Error::InvalidParam(format!("no rail reaches agent '{peer_name}' for descriptor {i}")));
                     }
-                    if let Some((raddr, kind, keep)) = direct::plan(&self.core, peer, (la, ll, lm), (ra, desc)) {
+                    if let Some((raddr, kind, keep)) = direct::plan(&self.core, peer, (la, ll, lm), (ra, desc, opened)) {
                         segs.push(Seg { local: la, len: ll, raddr, rkey: 0, desc: 0, rail: 0, rrail: 0, kind });
                         let known = keeps.iter().any(|k| match (k, &keep) {
                             (direct::Keep::Ipc(a), direct::Keep::Ipc(b)) => Arc::ptr_eq(a, b),

@@ -70,6 +70,9 @@ pub struct LocalMem {
     pub dev: Option<DeviceMem>,
     /// Device memory exported for same-host peers (set once, before the registration is shared).
     pub ipc: Option<IpcDesc>,
+    /// Host memory page-locked for direct GPU copies, on first such use (None inside: it
+    /// could not be, e.g. it was pinned already).
+    pinned: std::sync::OnceLock<Option<crate::cuda::HostRegistration>>,
     mrs: Vec<MemoryRegion>,
     closeq: SharedCloseQueue,
     gpu: Option<Arc<GpuRegistry>>,
@@ -82,7 +85,7 @@ impl LocalMem {
         // Staged device memory has no MRs; its key slots stay 0 so descriptors keep their shape.
         let keys = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.key).collect() };
         let descs = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.desc as usize).collect() };
-        LocalMem { engine_id, base, len, kind, dev_id, keys, descs, dev, ipc: None, mrs, closeq, gpu: dev.and(gpu) }
+        LocalMem { engine_id, base, len, kind, dev_id, keys, descs, dev, ipc: None, pinned: std::sync::OnceLock::new(), mrs, closeq, gpu: dev.and(gpu) }
     }
 
     pub fn desc(&self, rail: usize) -> *mut c_void {
@@ -105,6 +108,25 @@ impl LocalMem {
 
     pub fn check(&self, addr: u64, len: u64, what: &str) -> Result<()> {
         check_range(self.base, self.len, addr, len, what)
+    }
+
+    /// Page-locks this host memory for GPU copies under `ctx`, once; a failure (already
+    /// pinned, or the driver refuses) leaves it pageable, which is slower but correct.
+    pub fn pin_for_gpu(&self, ctx: &crate::cuda::Context) {
+        if self.kind != MemKind::Dram {
+            return;
+        }
+        self.pinned.get_or_init(|| {
+            // SAFETY: the registration's memory stays allocated while it is registered
+            // (NIXL's contract), and the page-lock is dropped with the registration.
+            match unsafe { crate::cuda::HostRegistration::new(ctx, self.base as *mut u8, self.len as usize) } {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    log::debug!("host memory [{:#x}, +{}) stays as it is for GPU copies: {e}", self.base, self.len);
+                    None
+                }
+            }
+        });
     }
 }
 
@@ -131,8 +153,10 @@ pub fn check_range(base: u64, size: u64, addr: u64, len: u64, what: &str) -> Res
 
 /// Where a transfer's remote side lives.
 pub enum RemoteMem {
-    /// A peer's registration, as described by its public descriptor.
-    Peer { peer: Arc<Peer>, desc: MemDesc },
+    /// A peer's registration, as described by its public descriptor. `opened`: its GPU
+    /// allocation opened here by IPC, kept while the descriptor is loaded so that every
+    /// request to it shares one mapping.
+    Peer { peer: Arc<Peer>, desc: MemDesc, opened: Mutex<Vec<Arc<super::direct::IpcEntry>>> },
     /// One of our own registrations (loopback); keeps it alive.
     Local(Arc<LocalMem>),
 }

@@ -46,8 +46,12 @@ pub enum SegKind {
     LocalDev { local: Option<super::gpu::DeviceMem>, remote: Option<super::gpu::DeviceMem> },
     /// A same-host peer's memory addressable here (`raddr` is an address of this process):
     /// one copy by the initiator, on the GPU under `ctx`, or memcpy where both sides are
-    /// host memory (module direct).
-    Direct { ctx: Option<crate::cuda::Context> },
+    /// host memory (module direct). `dev`: both ends are device memory, so a kernel may
+    /// copy it.
+    Direct { ctx: Option<crate::cuda::Context>, dev: bool },
+    /// Our GPU memory <-> a same-host peer's host memory: the peer opens our allocation
+    /// (starting at `alloc`, exported in the request's keeps) by IPC and copies.
+    PeerCopy { alloc: u64 },
 }
 
 pub enum Target {

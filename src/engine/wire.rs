@@ -187,6 +187,32 @@ pub struct IpcDesc {
     pub handle: [u8; IPC_HANDLE_LEN],
 }
 
+impl IpcDesc {
+    fn write(&self, w: &mut Writer) {
+        w.u8(self.kind).bytes(&self.device_uuid).u64(self.alloc_base).u64(self.alloc_len).bytes(&self.handle);
+    }
+
+    fn read(r: &mut Reader) -> Result<IpcDesc> {
+        let kind = r.u8("IPC handle kind")?;
+        if kind != IPC_KIND_LEGACY {
+            return Err(r.err(format!("unknown IPC handle kind {kind}")));
+        }
+        let device_uuid: [u8; 16] = r.take(16, "device UUID")?.try_into().expect("16");
+        let alloc_base = r.u64("allocation base")?;
+        let alloc_len = r.u64("allocation length")?;
+        if alloc_base.checked_add(alloc_len).is_none() {
+            return Err(r.err("allocation base + length overflows".into()));
+        }
+        let handle: [u8; IPC_HANDLE_LEN] = r.take(IPC_HANDLE_LEN, "IPC handle")?.try_into().expect("64");
+        Ok(IpcDesc { kind, device_uuid, alloc_base, alloc_len, handle })
+    }
+
+    /// Whether [addr, addr+len) lies inside the allocation.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.alloc_base && addr.checked_add(len).is_some_and(|e| e <= self.alloc_base + self.alloc_len)
+    }
+}
+
 impl MemDesc {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
@@ -197,7 +223,7 @@ impl MemDesc {
             w.u64(*k);
         }
         if let Some(i) = &self.ipc {
-            w.u8(i.kind).bytes(&i.device_uuid).u64(i.alloc_base).u64(i.alloc_len).bytes(&i.handle);
+            i.write(&mut w);
         }
         w.0
     }
@@ -230,25 +256,16 @@ impl MemDesc {
             keys.push(r.u64("key")?);
         }
         let ipc = if flags & MEM_FLAG_IPC != 0 {
-            let bad = |why: String| Error::Malformed { what: "memory descriptor", why };
-            let kind = r.u8("IPC handle kind")?;
-            if kind != IPC_KIND_LEGACY {
-                return Err(bad(format!("unknown IPC handle kind {kind}")));
-            }
             if mem_type != 1 {
-                return Err(bad(format!("IPC handle on memory type {mem_type} (only VRAM has one)")));
+                return Err(Error::Malformed { what: "memory descriptor", why: format!("IPC handle on memory type {mem_type} (only VRAM has one)") });
             }
-            let device_uuid: [u8; 16] = r.take(16, "device UUID")?.try_into().expect("16");
-            let alloc_base = r.u64("allocation base")?;
-            let alloc_len = r.u64("allocation length")?;
-            let handle: [u8; IPC_HANDLE_LEN] = r.take(IPC_HANDLE_LEN, "IPC handle")?.try_into().expect("64");
-            let inside = alloc_base.checked_add(alloc_len).is_some_and(|end| base >= alloc_base && base + len <= end);
-            if !inside {
-                return Err(bad(format!(
-                    "registration [{base:#x}, +{len}) is not inside its allocation [{alloc_base:#x}, +{alloc_len})"
-                )));
+            let i = IpcDesc::read(&mut r)?;
+            if !i.contains(base, len) {
+                return Err(Error::Malformed { what: "memory descriptor", why: format!(
+                    "registration [{base:#x}, +{len}) is not inside its allocation [{:#x}, +{})", i.alloc_base, i.alloc_len
+                ) });
             }
-            Some(IpcDesc { kind, device_uuid, alloc_base, alloc_len, handle })
+            Some(i)
         } else {
             None
         };
@@ -272,6 +289,62 @@ pub enum CtrlType {
     StageAck = 4,
     /// "Traffic is coming": keeps the receiver's progress thread polling (no payload).
     Kick = 5,
+    /// Copy request: the receiver copies between its host memory and the sender's GPU
+    /// allocation, which it opens by IPC (payload: [`CopyReq`]).
+    Copy = 6,
+    /// The answer to a Copy request (payload: [`StageAck`]'s layout: token and status).
+    CopyAck = 7,
+}
+
+/// A copy request to a same-host peer: `ranges` of (sender's address in its allocation,
+/// receiver's host address, length); `to_receiver` says which way the bytes go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyReq {
+    pub token: u64,
+    pub to_receiver: bool,
+    pub ipc: IpcDesc,
+    pub ranges: Vec<(u64, u64, u64)>,
+}
+
+/// Most ranges one copy request carries (its bytes must fit a control buffer).
+pub const COPY_MAX_RANGES: usize = 2048;
+
+impl CopyReq {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.token).u8(self.to_receiver as u8);
+        self.ipc.write(&mut w);
+        w.u16(self.ranges.len() as u16);
+        for &(s, r, n) in &self.ranges {
+            w.u64(s).u64(r).u64(n);
+        }
+        w.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<CopyReq> {
+        let mut r = Reader::new(b, "copy request");
+        let token = r.u64("token")?;
+        let to_receiver = match r.u8("direction")? {
+            0 => false,
+            1 => true,
+            d => return Err(r.err(format!("unknown direction {d}"))),
+        };
+        let ipc = IpcDesc::read(&mut r)?;
+        let n = r.u16("range count")? as usize;
+        if n == 0 || n > COPY_MAX_RANGES {
+            return Err(r.err(format!("range count {n} not in 1..={COPY_MAX_RANGES}")));
+        }
+        let mut ranges = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (s, h, len) = (r.u64("sender address")?, r.u64("receiver address")?, r.u64("length")?);
+            if !ipc.contains(s, len) || h.checked_add(len).is_none() {
+                return Err(r.err(format!("range [{s:#x}, +{len}) is outside the sender's allocation or overflows")));
+            }
+            ranges.push((s, h, len));
+        }
+        r.finish()?;
+        Ok(CopyReq { token, to_receiver, ipc, ranges })
+    }
 }
 
 /// Direction of a stage request, seen from the device memory's owner.
@@ -375,6 +448,8 @@ pub fn decode_ctrl(buf: &[u8]) -> Result<Ctrl<'_>> {
         3 => CtrlType::Stage,
         4 => CtrlType::StageAck,
         5 => CtrlType::Kick,
+        6 => CtrlType::Copy,
+        7 => CtrlType::CopyAck,
         t => return Err(Error::Malformed { what: "control message", why: format!("unknown type {t}") }),
     };
     let sender_id = r.u64("sender id")?;
@@ -471,6 +546,25 @@ mod tests {
         let mut unknown = b.clone();
         unknown[7] |= 8;
         assert!(MemDesc::decode(&unknown).is_err());
+    }
+
+    #[test]
+    fn copy_request_round_trip_and_checks() {
+        let ipc = IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: [1; 16], alloc_base: 1 << 20, alloc_len: 1 << 20, handle: [3; IPC_HANDLE_LEN] };
+        let c = CopyReq { token: 5, to_receiver: true, ipc: ipc.clone(), ranges: vec![(1 << 20, 77, 4096), ((2 << 20) - 1, 9, 1)] };
+        let b = c.encode();
+        assert_eq!(CopyReq::decode(&b).unwrap(), c);
+        for n in 0..b.len() {
+            assert!(CopyReq::decode(&b[..n]).is_err());
+        }
+        for bad in [
+            CopyReq { ranges: vec![((2 << 20) - 1, 9, 2)], ..c.clone() },
+            CopyReq { ranges: vec![(0, 9, 2)], ..c.clone() },
+            CopyReq { ranges: vec![(1 << 20, u64::MAX, 2)], ..c.clone() },
+            CopyReq { ranges: vec![], ..c.clone() },
+        ] {
+            assert!(CopyReq::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

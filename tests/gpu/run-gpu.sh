@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU host, from the bundle that `make gpu-bundle` packed (.gpu/). Prints every
 # suite's pass counts and the numbers for the closing note; exits non-zero on a failure.
+#   RUN_GPU_ONLY=ipc bash .gpu/run-gpu.sh     only the listed sections (comma-separated:
+#                                             unit, harness, agent, ipc, lf2); the host line
+#                                             is always printed. With only ipc, agent_ipc.py
+#                                             runs --quick unless IPC_ARGS says otherwise.
+#   IPC_ARGS="--quick --only 64MiB"           extra arguments for agent_ipc.py
+# Results of the ipc section (JSON and logs) go to $OUT when it is set, else to the bundle.
 set -u
 B=$(cd "$(dirname "$0")" && pwd)
 export FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo NIXL_FABRIC_PROVIDER=tcp
@@ -8,23 +14,32 @@ export FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo NIXL_FABRIC_PROVIDER=tcp
 export NIXL_FABRIC_SAME_HOST_SHM=false
 rc=0
 section() { echo; echo "===== $*"; }
-section "host"
-nvidia-smi -L 2>&1 | head -4
-section "cuda module unit tests (real driver)"
-if [ -x "$B/bin/unit-tests" ]; then
-  "$B/bin/unit-tests" cuda:: --include-ignored --nocapture --test-threads=1 2>&1 | grep -vE "^\s*$" | tail -40 || rc=1
-fi
-section "GPU C harness (staging path, system libfabric)"
-LD_LIBRARY_PATH=$B/bin timeout 400 "$B/bin/gpu_harness" > "$B/gpu_harness.log" 2>&1 || rc=1
-grep -E "^(FAIL|bw|reapply)|passed" "$B/gpu_harness.log" | head -80
-section "stock agent (nixl-cu13) with VRAM: ours vs UCX"
-mkdir -p /tmp/nixl && tar xJf "$B/nixl-cu13.tar.xz" -C /tmp/nixl
-python3 - "$B"/numpy-*.whl <<'PY'
+want() { [ -z "${RUN_GPU_ONLY:-}" ] || [[ ",$RUN_GPU_ONLY," == *",$1,"* ]]; }
+SITE=/tmp/nixl/site
+nixl_runtime() {   # the stock agent (nixl-cu13) and numpy, unpacked once
+  [ -d "$SITE/nixl_cu13" ] && return 0
+  mkdir -p /tmp/nixl && tar xJf "$B/nixl-cu13.tar.xz" -C /tmp/nixl
+  python3 - "$B"/numpy-*.whl <<'PY'
 import sys, zipfile
 zipfile.ZipFile(sys.argv[1]).extractall("/tmp/nixl/site")
 PY
-export PYTHONPATH=/tmp/nixl/site
-SITE=/tmp/nixl/site
+}
+export PYTHONPATH=$SITE
+section "host"
+nvidia-smi -L 2>&1 | head -4
+if want unit && [ -x "$B/bin/unit-tests" ]; then
+  section "cuda module unit tests (real driver)"
+  "$B/bin/unit-tests" cuda:: --include-ignored --nocapture --test-threads=1 2>&1 | grep -vE "^\s*$" | tail -40 || rc=1
+fi
+if want harness; then
+section "GPU C harness (staging path, system libfabric)"
+LD_LIBRARY_PATH=$B/bin timeout 400 "$B/bin/gpu_harness" > "$B/gpu_harness.log" 2>&1 || rc=1
+grep -E "^(FAIL|bw|reapply)|passed" "$B/gpu_harness.log" | head -80
+echo "GPU harness with the system libfabric: see above"
+fi
+if want agent; then
+section "stock agent (nixl-cu13) with VRAM: ours vs UCX"
+nixl_runtime
 NIXL_PLUGIN_DIR=$B/plugins timeout 300 python3 "$B/agent_vram.py" --backend LIBFABRIC > "$B/agent_ours.log" 2>&1 || rc=1
 grep -vE "NIXL INFO" "$B/agent_ours.log" | grep -v "^JSON" | tail -40
 env -u NIXL_PLUGIN_DIR UCX_MODULES='^ib' timeout 300 python3 "$B/agent_vram.py" --backend UCX > "$B/agent_ucx.log" 2>&1
@@ -47,8 +62,61 @@ for k, r in ours.items():
     ratio = f"{g / u:.1f}x" if g and u else "-"
     print(f"{k[0]:5} {k[1]}->{k[2]} {k[3] >> 10:>7} KiB       {g or 0:>10.2f} {u or 0:>10.2f} {ratio:>7}  {'exact' if r['verified'] else 'MISMATCH'}")
 PY
-echo "GPU harness with the system libfabric: see above"
-if [ -f "$B/libfabric2-cuda.tar.xz" ]; then
+fi
+if want ipc; then
+  section "two processes on one host, stock agent (agent_ipc.py): ours (shm rail on) vs UCX"
+  nixl_runtime
+  R=${OUT:-$B}; mkdir -p "$R"
+  IA=${IPC_ARGS-}
+  T=280
+  if [ "${RUN_GPU_ONLY:-}" = ipc ]; then T=130; [ -n "${IPC_ARGS+x}" ] || IA=--quick; fi
+  export AGENT_IPC_TOTAL_S=$((T - 20))
+  NIXL_FABRIC_SAME_HOST_SHM=true NIXL_PLUGIN_DIR=$B/plugins timeout $T python3 "$B/agent_ipc.py" \
+    --backend LIBFABRIC $IA --json "$R/ipc_ours.json" > "$B/ipc_ours.log" 2>&1 || rc=1
+  grep -E "^(LIBFABRIC|baseline|harness)" "$B/ipc_ours.log"
+  [ -s "$R/ipc_ours.json" ] || { echo "-- no JSON from ours; log tail:"; grep -v "NIXL INFO" "$B/ipc_ours.log" | tail -30; }
+  # UCX_PROTO_INFO prints which transport UCX picked for each put/get (cuda_ipc for VRAM)
+  env -u NIXL_PLUGIN_DIR UCX_MODULES='^ib' UCX_PROTO_INFO=y timeout $T python3 "$B/agent_ipc.py" \
+    --backend UCX $IA --json "$R/ipc_ucx.json" > "$B/ipc_ucx.log" 2>&1
+  grep -E "^(UCX |harness)" "$B/ipc_ucx.log"
+  [ -s "$R/ipc_ucx.json" ] || { echo "-- no JSON from UCX; log tail:"; grep -v "NIXL INFO" "$B/ipc_ucx.log" | tail -30; }
+  echo "-- UCX's choice of transport between the two processes (UCX_PROTO_INFO):"
+  python3 "$B/agent_ipc.py" --ucx-protos "$B/ipc_ucx.log" | head -24
+  U=$R/ipc_ucx.json
+  # UCX may refuse VRAM from a thread with no CUDA context: measure it with one as well
+  if python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if any(not r["verified"] and "VRAM" in (r["local"], r["remote"]) for r in d["results"]) else 1)' "$U" 2>/dev/null; then
+    echo "-- UCX failed VRAM cases posting with no context current; again with the primary context current on the posting thread:"
+    env -u NIXL_PLUGIN_DIR UCX_MODULES='^ib' timeout $T python3 "$B/agent_ipc.py" \
+      --backend UCX --post-ctx primary $IA --json "$R/ipc_ucx_primary.json" > "$B/ipc_ucx_primary.log" 2>&1
+    grep -E "^(UCX |harness)" "$B/ipc_ucx_primary.log"
+    [ -s "$R/ipc_ucx_primary.json" ] && U=$R/ipc_ucx_primary.json
+  fi
+  python3 "$B/agent_ipc.py" --compare "$R/ipc_ours.json" "$U"
+  # the numpy DRAM above is pageable; the issue's DRAM<->VRAM target is a pinned copy's speed
+  if [[ " $IA " != *" --dram-only "* ]]; then
+    echo; echo "-- ours, DRAM<->VRAM with pinned DRAM (cuMemHostAlloc) on both sides:"
+    NIXL_FABRIC_SAME_HOST_SHM=true NIXL_PLUGIN_DIR=$B/plugins timeout $T python3 "$B/agent_ipc.py" \
+      --backend LIBFABRIC $IA --pinned-dram --only "DRAM->VRAM,VRAM->DRAM" --json "$R/ipc_ours_pinned.json" \
+      > "$B/ipc_ours_pinned.log" 2>&1 || rc=1
+    grep -E "^harness" "$B/ipc_ours_pinned.log"
+    python3 "$B/agent_ipc.py" --compare "$R/ipc_ours_pinned.json" "$U" | grep -vE "^(baselines|case X)"
+  fi
+  # two agents in one process (direct copies between engines of one process; UCX: its own)
+  echo; echo "-- one process, two agents (--one-process): ours vs UCX"
+  NIXL_FABRIC_SAME_HOST_SHM=true NIXL_PLUGIN_DIR=$B/plugins timeout $T python3 "$B/agent_ipc.py" \
+    --backend LIBFABRIC --one-process $IA --json "$R/ipc_ours_1p.json" > "$B/ipc_ours_1p.log" 2>&1 || rc=1
+  grep -E "^harness" "$B/ipc_ours_1p.log"
+  env -u NIXL_PLUGIN_DIR UCX_MODULES='^ib' timeout $T python3 "$B/agent_ipc.py" \
+    --backend UCX --one-process $IA --json "$R/ipc_ucx_1p.json" > "$B/ipc_ucx_1p.log" 2>&1
+  grep -E "^harness" "$B/ipc_ucx_1p.log"
+  python3 "$B/agent_ipc.py" --compare "$R/ipc_ours_1p.json" "$R/ipc_ucx_1p.json" | grep -vE "^(baselines|case X)"
+  if [ -n "${OUT:-}" ]; then
+    for f in ipc_ours ipc_ucx ipc_ucx_primary ipc_ours_pinned ipc_ours_1p ipc_ucx_1p; do
+      [ -f "$B/$f.log" ] && grep -v "NIXL INFO" "$B/$f.log" | tail -c 4000000 > "$OUT/$f.log"
+    done
+  fi
+fi
+if want lf2 && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
   section "zero-copy path: CUDA-enabled libfabric 2.x"
   rm -rf /tmp/lf2 && mkdir -p /tmp/lf2 && tar xJf "$B/libfabric2-cuda.tar.xz" -C /tmp/lf2
   D=$(dirname "$(dirname "$(find /tmp/lf2 -name 'libfabric.so.1' | head -1)")")
