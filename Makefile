@@ -67,6 +67,7 @@ unit-test: deps | $(STAMP)
 -include examples/examples.mk
 -include bench/bench.mk
 -include tests/netns/netns.mk
+-include tests/lf2/lf2.mk
 
 TEST_TARGETS ?=
 test: build check-header unit-test $(TEST_TARGETS)
