@@ -525,29 +525,16 @@ impl Driver {
         if st.epoch != epoch || st.phase != Phase::Data {
             return;
         }
-        st.outstanding -= 1;
         // The copy into a peer's memory succeeds even when the peer died meanwhile: only
         // its liveness tells that nobody will see the bytes.
         let res = res.and_then(|_| match req.peer() {
             Some(p) if !p.local.alive() => Err(Error::Disconnected(format!("agent '{}' exited", p.name))),
             _ => Ok(()),
         });
-        match res {
-            Ok(()) => {
-                let c = &self.core.counters;
-                super::counters::add(if req.op == Op::Write { &c.bytes_written } else { &c.bytes_read }, bytes);
-                super::counters::add(&c.gpu_direct_bytes, bytes);
-                super::counters::add(&c.ops_completed, 1);
-            }
-            Err(e) => {
-                super::counters::add(&self.core.counters.ops_failed, 1);
-                st.error.get_or_insert(e);
-                st.next = req.segs.len();
-            }
+        if res.is_ok() {
+            super::counters::add(&self.core.counters.gpu_direct_bytes, bytes);
         }
-        if st.outstanding == 0 && st.next >= req.segs.len() {
-            self.data_done(&req, &mut st);
-        }
+        self.piece_done(&req, &mut st, bytes, res);
     }
 
     /// Waits for the device copies toward `peer_id` (engine `engine_id`) to end (they finish

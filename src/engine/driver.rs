@@ -720,6 +720,28 @@ impl Driver {
     }
 
     /// Every byte of the post is delivered (or it failed): send the notification, or finish.
+    /// One outstanding piece (staging chunk, direct copy job) of the current post of `req`
+    /// ended: counts its bytes or its failure (which stops the post's remaining segments),
+    /// and ends the data phase when it was the last.
+    pub(super) fn piece_done(&mut self, req: &Arc<Request>, st: &mut ReqState, bytes: u64, res: Result<()>) {
+        st.outstanding -= 1;
+        let c = &self.core.counters;
+        match res {
+            Ok(()) => {
+                super::counters::add(if req.op == Op::Write { &c.bytes_written } else { &c.bytes_read }, bytes);
+                super::counters::add(&c.ops_completed, 1);
+            }
+            Err(e) => {
+                super::counters::add(&c.ops_failed, 1);
+                st.error.get_or_insert(e);
+                st.next = req.segs.len();
+            }
+        }
+        if st.outstanding == 0 && st.next >= req.segs.len() {
+            self.data_done(req, st);
+        }
+    }
+
     pub(super) fn data_done(&mut self, req: &Arc<Request>, st: &mut ReqState) {
         if st.phase != Phase::Data {
             return;

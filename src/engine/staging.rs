@@ -332,24 +332,9 @@ impl Driver {
         if job.epoch != st.epoch || st.phase != Phase::Data {
             return;
         }
-        st.outstanding -= 1;
         st.last_progress = Instant::now();
-        match res {
-            Ok(()) => {
-                let len = req.segs[job.seg].len;
-                let c = &self.core.counters;
-                super::counters::add(if req.op == Op::Write { &c.bytes_written } else { &c.bytes_read }, len);
-                super::counters::add(&c.ops_completed, 1);
-            }
-            Err(e) => {
-                super::counters::add(&self.core.counters.ops_failed, 1);
-                st.error.get_or_insert(e);
-                st.next = req.segs.len();
-            }
-        }
-        if st.outstanding == 0 && st.next >= req.segs.len() {
-            self.data_done(&req, &mut st);
-        }
+        let len = req.segs[job.seg].len;
+        self.piece_done(&req, &mut st, len, res);
     }
 
     /// Completion of a staging RMA (ours or a serve).

@@ -16,13 +16,13 @@ LF2_LIB         := $(LF2_DIR)/prefix/lib
 LF2_LOGS        := $(LF2_DIR)/logs
 LF2_STAMP       := $(LF2_DIR)/.built-$(LF2_DEB_VERSION)
 LF2_ENV         := LD_LIBRARY_PATH=$(LF2_LIB)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}
-# Counted C-harness providers, and the ones only reported ("tried"). shm is tried on 2.1:
-# its one-process pair suite dies at teardown inside libfabric (smr_av_remove ->
-# smr_unmap_region touches the already closed same-process peer's region; README, provider
-# table); its two-process tests are counted in a second run (LF2_SHM_COUNTED_GROUPS).
+# Counted C-harness providers, and the ones only reported ("tried": udp, as on 1.17). shm on
+# 2.x keeps departed peers' AV entries (fabric/rail.rs keep_av_entries): with fi_av_remove
+# its progress crashed in smr_ep_progress after a peer left. LF2_SHM_COUNTED_GROUPS: extra
+# counted shm-only runs of harness groups (none by default).
 LF2_HARNESS_PROVIDERS  ?= tcp,sockets,shm,udp
-LF2_HARNESS_TRY        ?= udp,shm
-LF2_SHM_COUNTED_GROUPS ?= fork
+LF2_HARNESS_TRY        ?= udp
+LF2_SHM_COUNTED_GROUPS ?=
 LF2_PYTEST_ARGS        ?=
 LF2_BENCH_ARGS         ?= --quick --configs ours-tcp,ours-shm,ours-tcp-default,ucx
 LF2_BENCH_DATE          = $(shell date +%F)
