@@ -86,6 +86,9 @@ typedef struct {
   uint64_t gpu_copy_calls;
   // Launches of the gather-copy kernel (many device-to-device ranges per launch).
   uint64_t gpu_kernel_launches;
+  // Bytes moved by cross-memory attach between this process and a same-host peer
+  // process's host memory (cma_copy), with no rail.
+  uint64_t cma_bytes;
 } nf_counters;
 
 // Per-rail counters.

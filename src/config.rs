@@ -75,6 +75,10 @@ tunables! {
         "direct copies of many small device-to-device ranges (KV blocks) run as one kernel launch per up to 1364 ranges instead of one copy-engine operation each; off uses cuMemcpyBatchAsync, else one cuMemcpyAsync per range";
     pin_host_memory: bool = Bool, "true", "NIXL_FABRIC_PIN_HOST_MEMORY",
         "host memory that takes part in direct GPU copies (IPC or between engines of one process) is page-locked on first use (cuMemHostRegister), so the copies run at full bus speed; memory that is already pinned is used as it is";
+    cma_copy: bool = Bool, "true", "NIXL_FABRIC_CMA_COPY",
+        "host memory of a same-host peer process that this process may access (cross-memory attach; needs same_host_shm) is written and read directly with process_vm_writev/readv, many descriptors per call and large requests split over copy threads, instead of through the shm rail";
+    cma_threads: u64 = U64, "0", "NIXL_FABRIC_CMA_THREADS",
+        "copy threads per engine for cma_copy (started at first use); 0 = half the cores this process may run on, at most 7";
     staging_buffer_size: u64 = Size, "67108864", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
         "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM)";
     staging_chunk_size: u64 = Size, "2097152", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
@@ -184,6 +188,8 @@ impl Config {
             gpu_ipc: true,
             gpu_copy_kernel: true,
             pin_host_memory: true,
+            cma_copy: true,
+            cma_threads: 0,
             staging_buffer_size: 0,
             staging_chunk_size: 0,
         }

@@ -185,6 +185,68 @@ fn dead_peer(shm: bool) {
     let _ = v2.child.wait();
 }
 
+/// Same-host DRAM between two processes goes by cross-memory attach (issue 13): a large
+/// WRITE cut over the copy threads, a batch of scattered 4 KiB blocks, READs back, every
+/// byte compared, and none of it through a rail.
+#[test]
+fn same_host_dram_between_processes_moves_by_cma_byte_exact() {
+    const SIZE: usize = 64 << 20;
+    nixl_fabric::logging::init();
+    let mut c = cfg_with(true, 5000, true);
+    c.set("cma_threads", "3").unwrap();
+    let e = Engine::new("cma-initiator", c).unwrap();
+    let src: Vec<u8> = (0..SIZE).map(|i| (i * 131 % 251) as u8).collect();
+    let mut back = vec![0u8; SIZE];
+    let lm = e.register(src.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+    let bm = e.register(back.as_mut_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+    let mut v = spawn_victim(SIZE, true);
+    e.load_conn_info("victim", &v.conn).unwrap();
+    let rm = e.load_remote("victim", &v.desc).unwrap();
+    let before = e.counters();
+    let rails_before: u64 = (0..4).filter_map(|i| e.rail_counters(i).ok()).map(|r| r.bytes).sum();
+
+    // One large WRITE, then scattered 4 KiB blocks written shifted by one block, then the
+    // whole region READ back in one request.
+    let w = write_req(&e, "victim", &src, &lm, v.addr, &rm, SIZE, 0);
+    assert_eq!(post_wait(&e, &w, Duration::from_secs(30)), Status::NF_SUCCESS);
+    let blocks: Vec<usize> = (0..2048).map(|i| (i * 7919) % (SIZE / 4096 - 1)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    let pairs: Vec<Pair> = blocks
+        .iter()
+        .map(|&b| Pair { local: (src.as_ptr() as u64 + (b as u64 + 1) * 4096, 4096, &lm), remote: (v.addr + b as u64 * 4096, 4096, &rm) })
+        .collect();
+    let kv = e.prepare(Op::Write, &pairs, "victim").unwrap();
+    assert_eq!(post_wait(&e, &kv, Duration::from_secs(30)), Status::NF_SUCCESS);
+    let rd = e.prepare(Op::Read, &[Pair { local: (back.as_ptr() as u64, SIZE as u64, &bm), remote: (v.addr, SIZE as u64, &rm) }], "victim").unwrap();
+    assert_eq!(post_wait(&e, &rd, Duration::from_secs(30)), Status::NF_SUCCESS);
+
+    let mut want = src.clone();
+    for &b in &blocks {
+        want.copy_within((b + 1) * 4096..(b + 2) * 4096, b * 4096);
+    }
+    assert!(back == want, "bytes read back differ from what was written");
+    let after = e.counters();
+    assert_eq!(after.cma_bytes - before.cma_bytes, 2 * SIZE as u64 + blocks.len() as u64 * 4096);
+    let rails_after: u64 = (0..4).filter_map(|i| e.rail_counters(i).ok()).map(|r| r.bytes).sum();
+    assert_eq!(rails_after, rails_before, "data went through a rail");
+
+    // Switched off, the same WRITE still works (over the shm rail) and CMA carries nothing.
+    let mut c = cfg_with(true, 5000, true);
+    c.set("cma_copy", "false").unwrap();
+    let off = Engine::new("cma-off", c).unwrap();
+    let lm2 = off.register(src.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+    off.load_conn_info("victim", &v.conn).unwrap();
+    let rm2 = off.load_remote("victim", &v.desc).unwrap();
+    let w2 = write_req(&off, "victim", &src, &lm2, v.addr, &rm2, 1 << 20, 0);
+    assert_eq!(post_wait(&off, &w2, Duration::from_secs(30)), Status::NF_SUCCESS);
+    assert_eq!(off.counters().cma_bytes, 0);
+    for r in [w, kv, rd] {
+        assert!(e.release(&r));
+    }
+    assert!(off.release(&w2));
+    drop(v.child.stdin.take());
+    let _ = v.child.wait();
+}
+
 fn teardown_under_load(threads: usize) {
     const N: usize = 64;
     const LEN: usize = 1 << 20;

@@ -75,6 +75,9 @@ pub struct nf_counters {
     pub gpu_copy_calls: u64,
     /// Launches of the gather-copy kernel (many device-to-device ranges per launch).
     pub gpu_kernel_launches: u64,
+    /// Bytes moved by cross-memory attach between this process and a same-host peer
+    /// process's host memory (cma_copy), with no rail.
+    pub cma_bytes: u64,
 }
 
 /// The engine's snapshots as the C structs: field for field.
@@ -90,7 +93,7 @@ from_snapshot!(crate::engine::CounterSnapshot => nf_counters {
     requests_posted, requests_completed, requests_failed, notifs_sent, notifs_received,
     progress_passes, cuda_ctx_applies,
     gpu_direct_bytes, gpu_ipc_opens, gpu_ipc_closes, gpu_batch_calls, gpu_copy_calls,
-    gpu_kernel_launches,
+    gpu_kernel_launches, cma_bytes,
 });
 from_snapshot!(crate::engine::RailCounterSnapshot => nf_rail_counters { bytes, ops, retries, errors });
 

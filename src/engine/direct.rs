@@ -107,6 +107,9 @@ pub enum Keep {
     Local(Weak<LocalMem>),
     /// Our own exported allocation that PeerCopy segments name.
     Export(IpcDesc),
+    /// A same-host peer process written by CMA: nothing to keep, but every post first checks
+    /// that the process is still the one we connected to.
+    Process,
 }
 
 /// Whether every direct target of `keeps` is still there; the error otherwise.

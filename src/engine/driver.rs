@@ -138,6 +138,7 @@ pub struct Driver {
     pub(super) ops: OpPool,
     pub(super) staging: Staging,
     pub(super) direct: super::direct::Direct,
+    pub(super) cma: super::cma_copy::Cma,
     ctrl: CtrlBuffers,
     pub(super) core: Arc<Core>,
     conns: IdMap<Conn>,
@@ -197,6 +198,7 @@ impl Driver {
             ops: OpPool::with_capacity(1024),
             staging: Staging::default(),
             direct: super::direct::Direct::default(),
+            cma: super::cma_copy::Cma::new(&core.name, super::cma_copy::thread_count(cfg.cma_threads)),
             ctrl,
             core,
             conns: IdMap::default(),
@@ -282,7 +284,7 @@ impl Driver {
             self.post_flushes();
             self.flush_ctrl();
         }
-        let staging = self.advance_staging() | self.advance_direct() | self.advance_serves_direct();
+        let staging = self.advance_staging() | self.advance_direct() | self.advance_serves_direct() | self.advance_cma();
         if staging {
             self.flush_ctrl();
         }
@@ -607,6 +609,7 @@ impl Driver {
                 let direct = match s.kind {
                     SegKind::Direct { ctx, .. } => Some(self.start_direct(&req, &mut st, ctx)),
                     SegKind::PeerCopy { alloc } => Some(self.start_peer_copy(&req, &mut st, alloc)),
+                    SegKind::Cma { pid } => Some(self.start_cma(&req, &mut st, pid)),
                     _ => None,
                 };
                 if let Some(res) = direct {
@@ -1111,7 +1114,7 @@ impl Driver {
 
     /// Requests, control messages, flush reads or staging chunks are still queued or in flight.
     pub fn has_pending(&self) -> bool {
-        !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty() || !self.flushes.is_empty() || !self.staging.idle() || !self.direct.idle()
+        !self.to_post.is_empty() || !self.active.is_empty() || !self.ctrl_out.is_empty() || !self.flushes.is_empty() || !self.staging.idle() || !self.direct.idle() || !self.cma.idle()
     }
 
     /// Whether the thread may sleep now, and on which CQ fds.

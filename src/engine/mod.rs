@@ -3,6 +3,7 @@
 //! [`driver`], owned by the progress thread or, with the thread off, by the caller that
 //! locks it.
 mod cma;
+mod cma_copy;
 mod core;
 mod counters;
 mod direct;
@@ -485,11 +486,13 @@ impl Engine {
                     if route.is_empty() || route.iter().any(|p| p.rrail as usize >= desc.keys.len()) {
                         return Err(Error::InvalidParam(format!("no rail reaches agent '{peer_name}' for descriptor {i}")));
                     }
-                    if let Some((raddr, kind, keep)) = direct::plan(&self.core, peer, (la, ll, lm), (ra, desc, opened)) {
+                    let planned = cma_copy::plan(&self.core, peer, lm, desc).map(|kind| (ra, kind, direct::Keep::Process));
+                    if let Some((raddr, kind, keep)) = planned.or_else(|| direct::plan(&self.core, peer, (la, ll, lm), (ra, desc, opened))) {
                         segs.push(Seg { local: la, len: ll, raddr, rkey: 0, desc: 0, rail: 0, rrail: 0, kind });
                         let known = keeps.iter().any(|k| match (k, &keep) {
                             (direct::Keep::Ipc(a), direct::Keep::Ipc(b)) => Arc::ptr_eq(a, b),
                             (direct::Keep::Local(a), direct::Keep::Local(b)) => a.ptr_eq(b),
+                            (direct::Keep::Process, direct::Keep::Process) => true,
                             _ => false,
                         });
                         if !known {

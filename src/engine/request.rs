@@ -52,6 +52,9 @@ pub enum SegKind {
     /// Our GPU memory <-> a same-host peer's host memory: the peer opens our allocation
     /// (starting at `alloc`, exported in the request's keeps) by IPC and copies.
     PeerCopy { alloc: u64 },
+    /// A same-host peer process's host memory, reachable by cross-memory attach: copied by
+    /// process_vm_writev/readv toward process `pid` (module cma_copy).
+    Cma { pid: u32 },
 }
 
 pub enum Target {
