@@ -595,7 +595,7 @@ CUresult cuEventDestroy_v2(CUevent e) { if (!e || !cur()) return INVALID_HANDLE;
  * report the mapping (one chunk), not the reservation. Exporting to a POSIX fd works only
  * when the allocation asked for that handle type at creation. Granularity: 64 KiB
  * (MOCK_CUDA_VMM_GRANULARITY overrides), and every size, offset and address must be a
- * multiple of it; cuMemMap's offset must be 0. Handles are counted: the creation,
+ * multiple of it; cuMemMap's offset must be 0. MOCK_CUDA_VMM_IMPORT_FAIL=1: imports fail. Handles are counted: the creation,
  * each cuMemRetainAllocationHandle and each mapping hold a reference; cuMemRelease and
  * cuMemUnmap drop one; the memfd closes with the last. */
 typedef unsigned long long CUmemGenericAllocationHandle;
@@ -837,6 +837,7 @@ CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h,
 CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os_handle, int type) {
     if (!cur()) return INVALID_CONTEXT;
     if (!h || type != 1) return INVALID_VALUE;
+    if (env_is("MOCK_CUDA_VMM_IMPORT_FAIL")) return NOT_SUPPORTED; /* e.g. another driver instance */
     int fd = (int)(intptr_t)os_handle, dev = -1;
     char path[64], target[128] = "";
     snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
