@@ -740,12 +740,20 @@ impl Engine {
             }
         }
         let deadline = Instant::now() + self.core.cfg.timeout();
+        // Once finished, the driver drops its own reference within the pass that finished
+        // it: wait for that briefly (another holder, e.g. a caller's clone, ends the wait at
+        // LINGER), so the registrations the request kept alive go with this release.
+        const LINGER: Duration = Duration::from_millis(20);
+        let mut done_at: Option<Instant> = None;
         loop {
             {
                 let st = req.state();
                 let finished = !matches!(st.phase, Phase::Data | Phase::Notif);
                 if finished && st.inflight_total == 0 {
-                    return true;
+                    let since = *done_at.get_or_insert_with(Instant::now);
+                    if Arc::strong_count(req) <= 1 || since.elapsed() >= LINGER || self.shut.load(Ordering::Acquire) {
+                        return true;
+                    }
                 }
                 // A dead or forgotten peer will never complete what the provider still
                 // holds, and can no longer write into our memory: nothing to wait for.
