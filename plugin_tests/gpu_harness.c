@@ -744,7 +744,7 @@ static int mock_open_count(void) {
 /* The IPC cases run twice: against a target whose VRAM is cuMemAlloc memory, and against
  * one whose VRAM is VMM memory in several chunks (g_ctx gets "vmm/"). */
 static bool g_target_vmm;
-static const char *vmm_tag(void) { return g_target_vmm ? "vmm/" : ""; }
+static const char *vmm_tag(void) { return g_alloc != ALLOC_LEGACY ? "vmm-both/" : g_target_vmm ? "vmm/" : ""; }
 
 /* Environment of the IPC suite: engines read NIXL_FABRIC_* at creation (the Makefile exports
  * NIXL_FABRIC_SAME_HOST_SHM=false for the network tests; IPC needs it on). The stand-in
@@ -1109,8 +1109,14 @@ static void ipc_basic(void) {
         /* The target's memory is host memory here: the engine may keep staging; say which. */
         for (int op = 0; op < 2; op++)
             if (ipc_xfer_check(&x, op, &lv, 0, 1, 0, big, op == NF_OP_WRITE ? "WRITE VRAM -> remote DRAM 8 MiB+3" : "READ remote DRAM -> VRAM 8 MiB+3", &d))
+            {
                 info("%s VRAM(initiator) %s DRAM(target): %s (gpu_direct_bytes +%" PRIu64 ")", opname(op), op == NF_OP_WRITE ? "->" : "<-",
                      d == big ? "device-direct" : d == 0 ? "staged" : "partly direct", d);
+                /* Our VMM memory, copied by the target after it imports our chunks. */
+                if (g_alloc == ALLOC_VMM_FD)
+                    check(d == big, "%s our VMM VRAM %s the target's DRAM went device-direct (COPY request): +%" PRIu64 " (want %zu)",
+                          opname(op), op == NF_OP_WRITE ? "->" : "<-", d, big);
+            }
         buf_free(&lv, x.e);
         buf_free(&ld, x.e);
     }
@@ -1500,6 +1506,11 @@ static void suite_ipc_vmm(void) {
     setenv("GPU_HARNESS_TARGET_VMM", "fd", 1);
     g_target_vmm = true;
     ipc_basic();
+    /* Both sides VMM: our VMM memory with the target's DRAM travels by COPY requests, the
+     * target opening our chunks from our fd socket. */
+    g_alloc = ALLOC_VMM_FD;
+    ipc_basic();
+    g_alloc = ALLOC_LEGACY;
     ipc_many(MANY_KERNEL);
     ipc_many(MANY_SINGLE);
     ipc_unload();

@@ -106,8 +106,10 @@ fn open_vmm(ctx: &cuda::Context, ipc: &IpcDesc, timeout: std::time::Duration) ->
 /// allocations whose handle could not be opened (not tried again: they use staging).
 #[derive(Default)]
 pub struct IpcCache {
-    open: Mutex<HashMap<(u64, u64, usize), Weak<IpcEntry>>>,
-    failed: Mutex<HashSet<(u64, u64)>>,
+    /// Keyed by (peer, remote base, remote length, context): two VMM registrations of one
+    /// reservation may start at the same chunk and cover different chunk counts.
+    open: Mutex<HashMap<(u64, u64, u64, usize), Weak<IpcEntry>>>,
+    failed: Mutex<HashSet<(u64, u64, u64)>>,
     /// Peers (engine ids) that could not open our memory: copies with them are staged.
     refused: Mutex<HashSet<u64>>,
 }
@@ -173,7 +175,7 @@ impl Core {
     /// holding the peer's allocation). None, with one INFO line per allocation, where the
     /// handle cannot be opened: the caller then stages.
     pub fn ipc_open(self: &Arc<Self>, peer_id: u64, peer_name: &str, ipc: &IpcDesc, local_ctx: Option<cuda::Context>) -> Option<Arc<IpcEntry>> {
-        let key = (peer_id, ipc.alloc_base);
+        let key = (peer_id, ipc.alloc_base, ipc.alloc_len);
         if self.ipc.failed.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
             return None;
         }
@@ -199,7 +201,7 @@ impl Core {
             }
         };
         let mut open = self.ipc.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = open.get(&(peer_id, ipc.alloc_base, ctx.id())).and_then(Weak::upgrade) {
+        if let Some(e) = open.get(&(peer_id, ipc.alloc_base, ipc.alloc_len, ctx.id())).and_then(Weak::upgrade) {
             if e.is_open() {
                 return Some(e);
             }
@@ -230,7 +232,7 @@ impl Core {
             core: self.clone(),
         });
         open.retain(|_, w| w.strong_count() > 0);
-        open.insert((peer_id, ipc.alloc_base, ctx.id()), Arc::downgrade(&e));
+        open.insert((peer_id, ipc.alloc_base, ipc.alloc_len, ctx.id()), Arc::downgrade(&e));
         Some(e)
     }
 }
