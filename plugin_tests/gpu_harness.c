@@ -52,7 +52,35 @@ static struct {
     long (*mock_batch_calls)(void);
     long (*mock_copy_calls)(void);
     long (*mock_kernel_launches)(void);
+    int (*mock_vmm_imported_ranges)(void);
+    int (*mock_vmm_imported_handles)(void);
+    /* The VMM API (optional: a VMM target is skipped without it). */
+    CUresult (*mem_create)(unsigned long long *, size_t, const void *, unsigned long long);
+    CUresult (*mem_release)(unsigned long long);
+    CUresult (*addr_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*addr_free)(CUdeviceptr, size_t);
+    CUresult (*mem_map)(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long long);
+    CUresult (*mem_unmap)(CUdeviceptr, size_t);
+    CUresult (*set_access)(CUdeviceptr, size_t, const void *, size_t);
+    CUresult (*granularity)(size_t *, const void *, int);
 } cu;
+
+/* CUmemAllocationProp and CUmemAccessDesc, as cuda.h lays them out (LP64). */
+typedef struct {
+    int type, requested_handle_types;
+    struct { int type, id; } location;
+    void *win32_meta;
+    unsigned char alloc_flags[8];
+} cu_prop_t;
+typedef struct { struct { int type, id; } location; int flags; } cu_access_t;
+
+/* How buf_make allocates VRAM: cuMemAlloc, or with the VMM API as several physical chunks
+ * mapped back to back into one reserved range (PyTorch's expandable segments), created
+ * with the POSIX fd handle type (VMM_FD) or without any (VMM_NOFD). A target process takes
+ * it from GPU_HARNESS_TARGET_VMM=fd|nofd. */
+enum { ALLOC_LEGACY, ALLOC_VMM_FD, ALLOC_VMM_NOFD };
+static int g_alloc = ALLOC_LEGACY;
+#define VMM_MAX_CHUNKS 16
 
 static CUcontext g_primary;
 
@@ -98,6 +126,16 @@ static bool cu_load(void) {
     SYM(mock_batch_calls, "mock_batch_calls");
     SYM(mock_copy_calls, "mock_copy_calls");
     SYM(mock_kernel_launches, "mock_kernel_launches");
+    SYM(mock_vmm_imported_ranges, "mock_vmm_imported_ranges");
+    SYM(mock_vmm_imported_handles, "mock_vmm_imported_handles");
+    SYM(mem_create, "cuMemCreate");
+    SYM(mem_release, "cuMemRelease");
+    SYM(addr_reserve, "cuMemAddressReserve");
+    SYM(addr_free, "cuMemAddressFree");
+    SYM(mem_map, "cuMemMap");
+    SYM(mem_unmap, "cuMemUnmap");
+    SYM(set_access, "cuMemSetAccess");
+    SYM(granularity, "cuMemGetAllocationGranularity");
 #undef SYM
     return cu.init && cu.mem_alloc && cu.htod && cu.dtoh && cu.primary_retain;
 }
@@ -130,7 +168,47 @@ typedef struct {
     CUdeviceptr dptr;
     CUcontext ctx;
     nf_mem *mem;
+    /* VMM: the reserved span, chunk size and the chunks' handles. */
+    size_t span, chunk;
+    int nchunks;
+    unsigned long long handles[VMM_MAX_CHUNKS];
 } buf_t;
+
+static bool have_vmm(void) {
+    return cu.mem_create && cu.mem_release && cu.addr_reserve && cu.addr_free && cu.mem_map && cu.mem_unmap && cu.set_access && cu.granularity;
+}
+
+/* len bytes of VMM memory as 3 chunks (more where the granularity asks), mapped back to
+ * back, read-write for g_dev. */
+static void vmm_alloc(buf_t *b, size_t len, bool posix_fd) {
+    cu_prop_t p = {1, posix_fd ? 1 : 0, {1, (int)g_dev}, NULL, {0}};
+    size_t g = 0;
+    CU(cu.granularity(&g, &p, 0));
+    size_t per = (len + 2) / 3;
+    b->chunk = (per + g - 1) / g * g;
+    b->nchunks = (int)((len + b->chunk - 1) / b->chunk);
+    if (b->nchunks > VMM_MAX_CHUNKS) {
+        printf("FAIL vmm: %zu bytes need %d chunks\n", len, b->nchunks);
+        exit(3);
+    }
+    b->span = b->chunk * (size_t)b->nchunks;
+    CU(cu.addr_reserve(&b->dptr, b->span, g, 0, 0));
+    for (int i = 0; i < b->nchunks; i++) {
+        CU(cu.mem_create(&b->handles[i], b->chunk, &p, 0));
+        CU(cu.mem_map(b->dptr + (size_t)i * b->chunk, b->chunk, 0, b->handles[i], 0));
+    }
+    cu_access_t a = {{1, (int)g_dev}, 3};
+    CU(cu.set_access(b->dptr, b->span, &a, 1));
+}
+
+static void vmm_free(buf_t *b) {
+    for (int i = 0; i < b->nchunks; i++) {
+        cu.mem_unmap(b->dptr + (size_t)i * b->chunk, b->chunk);
+        cu.mem_release(b->handles[i]);
+    }
+    cu.addr_free(b->dptr, b->span);
+    b->nchunks = 0;
+}
 
 static uint64_t buf_addr(const buf_t *b) { return b->vram ? (uint64_t)b->dptr : (uint64_t)(uintptr_t)b->host; }
 
@@ -141,7 +219,10 @@ static bool buf_make(buf_t *b, nf_engine *e, bool vram, size_t len, CUcontext ct
     b->ctx = ctx;
     if (vram) {
         CU(cu.ctx_set(ctx));
-        CU(cu.mem_alloc(&b->dptr, len));
+        if (g_alloc != ALLOC_LEGACY)
+            vmm_alloc(b, len, g_alloc == ALLOC_VMM_FD);
+        else
+            CU(cu.mem_alloc(&b->dptr, len));
         CU(cu.memset8(b->dptr, 0, len));
         CU(cu.sync());
     } else {
@@ -156,7 +237,10 @@ static void buf_free(buf_t *b, nf_engine *e) {
         nf_mem_deregister(e, b->mem);
     if (b->vram) {
         CU(cu.ctx_set(b->ctx));
-        cu.mem_free(b->dptr);
+        if (b->nchunks)
+            vmm_free(b);
+        else
+            cu.mem_free(b->dptr);
     } else {
         free(b->host);
     }
@@ -464,6 +548,12 @@ static int target_process(int fd, size_t len) {
     nf_engine *e = hx_engine("t", &m, 20000, &s);
     if (!e || !cu_setup())
         return 2;
+    const char *vmm = getenv("GPU_HARNESS_TARGET_VMM");
+    if (vmm && (strcmp(vmm, "fd") == 0 || strcmp(vmm, "nofd") == 0)) {
+        if (!have_vmm())
+            return 2;
+        g_alloc = strcmp(vmm, "fd") == 0 ? ALLOC_VMM_FD : ALLOC_VMM_NOFD;
+    }
     buf_t bufs[2];
     if (!buf_make(&bufs[0], e, true, len, g_primary) || !buf_make(&bufs[1], e, false, len, NULL))
         return 2;
@@ -643,7 +733,18 @@ static gpuc_t gpuc(nf_engine *e) {
 
 static bool g_mock; /* the stand-in driver's hooks are there */
 
-static int mock_open_count(void) { return cu.mock_ipc_open_count ? cu.mock_ipc_open_count() : -1; }
+/* Peers' allocations mapped here: legacy IPC mappings, and reservations holding imported
+ * VMM chunks (one per opened VMM registration). */
+static int mock_open_count(void) {
+    if (!cu.mock_ipc_open_count)
+        return -1;
+    return cu.mock_ipc_open_count() + (cu.mock_vmm_imported_ranges ? cu.mock_vmm_imported_ranges() : 0);
+}
+
+/* The IPC cases run twice: against a target whose VRAM is cuMemAlloc memory, and against
+ * one whose VRAM is VMM memory in several chunks (g_ctx gets "vmm/"). */
+static bool g_target_vmm;
+static const char *vmm_tag(void) { return g_alloc != ALLOC_LEGACY ? "vmm-both/" : g_target_vmm ? "vmm/" : ""; }
 
 /* Environment of the IPC suite: engines read NIXL_FABRIC_* at creation (the Makefile exports
  * NIXL_FABRIC_SAME_HOST_SHM=false for the network tests; IPC needs it on). The stand-in
@@ -984,7 +1085,7 @@ static void expect_ipc(sess_t *x, const char *what, size_t len, uint64_t direct,
 /* (a) WRITE and READ, VRAM<->VRAM, 8 MiB + 3 and 4 KiB at odd offsets; DRAM(initiator)<->VRAM
  * through IPC as well; VRAM(initiator)->DRAM(target) may stage: bytes only. */
 static void ipc_basic(void) {
-    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/basic");
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/%sbasic", vmm_tag());
     sess_t x;
     size_t big = (8 << 20) + 3, tlen = (8 << 20) + (64 << 10);
     if (!sess_open(&x, tlen, 20000, NULL, NULL, false))
@@ -1008,8 +1109,14 @@ static void ipc_basic(void) {
         /* The target's memory is host memory here: the engine may keep staging; say which. */
         for (int op = 0; op < 2; op++)
             if (ipc_xfer_check(&x, op, &lv, 0, 1, 0, big, op == NF_OP_WRITE ? "WRITE VRAM -> remote DRAM 8 MiB+3" : "READ remote DRAM -> VRAM 8 MiB+3", &d))
+            {
                 info("%s VRAM(initiator) %s DRAM(target): %s (gpu_direct_bytes +%" PRIu64 ")", opname(op), op == NF_OP_WRITE ? "->" : "<-",
                      d == big ? "device-direct" : d == 0 ? "staged" : "partly direct", d);
+                /* Our VMM memory, copied by the target after it imports our chunks. */
+                if (g_alloc == ALLOC_VMM_FD)
+                    check(d == big, "%s our VMM VRAM %s the target's DRAM went device-direct (COPY request): +%" PRIu64 " (want %zu)",
+                          opname(op), op == NF_OP_WRITE ? "->" : "<-", d, big);
+            }
         buf_free(&lv, x.e);
         buf_free(&ld, x.e);
     }
@@ -1026,7 +1133,7 @@ static void ipc_basic(void) {
 enum { MANY_KERNEL, MANY_BATCH, MANY_SINGLE };
 static void ipc_many(int mode) {
     static const char *const names[] = {"", "/no-kernel", "/no-batch"};
-    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/many%s", names[mode]);
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/%smany%s", vmm_tag(), names[mode]);
     bool nobatch = mode == MANY_SINGLE;
     if (mode != MANY_KERNEL && !g_mock) {
         skip("the stand-in driver's switches are needed");
@@ -1125,7 +1232,7 @@ out:
 /* (c) Where IPC cannot be used the staging path still serves every byte: nothing direct,
  * nothing opened. `key`=`val` is set for the parent alone. */
 static void ipc_fallback(const char *key, const char *val, const char *why) {
-    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/fallback-%s", why);
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/%sfallback-%s", vmm_tag(), why);
     bool mock_switch = strncmp(key, "MOCK_CUDA_", 10) == 0;
     if (mock_switch && !g_mock) {
         skip("%s needs the stand-in driver", key);
@@ -1158,7 +1265,7 @@ static void ipc_fallback(const char *key, const char *val, const char *why) {
 
 /* (d) Unloading the target's descriptor closes the mapping; loading it again opens anew. */
 static void ipc_unload(void) {
-    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/unload");
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/%sunload", vmm_tag());
     sess_t x;
     size_t len = 1 << 20;
     if (!sess_open(&x, len, 20000, NULL, NULL, false))
@@ -1201,7 +1308,7 @@ static void ipc_unload(void) {
  * REMOTE_DISCONNECT within the engine's timeout (2 s, bounded here at 10 s), the mapping is
  * closed; then three kill/restart rounds under the same name leak no mapping. */
 static void ipc_peer_death(void) {
-    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/peer-death");
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/%speer-death", vmm_tag());
     sess_t x;
     size_t len = 1 << 20;
     if (!sess_open(&x, len, 2000, NULL, NULL, false))
@@ -1357,6 +1464,68 @@ static void ipc_one_process(void) {
     nf_engine_destroy(b);
 }
 
+/* (g) VMM target whose chunks were created without the POSIX fd handle type: nothing can
+ * be exported, so every byte is staged (and still exact), nothing is opened. */
+static void ipc_vmm_nofd(void) {
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/vmm/fallback-no-posix-fd");
+    setenv("GPU_HARNESS_TARGET_VMM", "nofd", 1);
+    sess_t x;
+    size_t len = (2 << 20) + 3;
+    bool opened = sess_open(&x, len, 20000, NULL, NULL, false);
+    unsetenv("GPU_HARNESS_TARGET_VMM");
+    if (!opened)
+        return;
+    buf_t l;
+    if (buf_make(&l, x.e, true, len, g_primary)) {
+        uint64_t d = 0;
+        for (int op = 0; op < 2; op++) {
+            char what[96];
+            snprintf(what, sizeof what, "%s VRAM %s remote VMM VRAM without a POSIX fd handle type", opname(op), op == NF_OP_WRITE ? "->" : "<-");
+            if (ipc_xfer_check(&x, op, &l, 0, 0, 0, len, what, &d))
+                check(d == 0, "%s: staged, gpu_direct_bytes +%" PRIu64 " (want 0)", what, d);
+        }
+        gpuc_t c = gpuc(x.e);
+        check(c.opens == 0, "no POSIX fd type: nothing opened (gpu_ipc_opens %" PRIu64 ")", c.opens);
+        if (g_mock)
+            check(mock_open_count() == 0, "no POSIX fd type: no mapping in the driver here (%d)", mock_open_count());
+        buf_free(&l, x.e);
+    }
+    sess_close(&x, true);
+}
+
+/* The VMM route end to end: the target's VRAM is VMM memory in several chunks, shared by
+ * POSIX fds over the target's socket. The legacy cases run again against it (byte checks,
+ * device-direct counters, one mapping per registration, unload, peer death with
+ * kill/restart x3), then the fallback without the fd handle type, then no imported chunk
+ * may be left in this process. */
+static void suite_ipc_vmm(void) {
+    if (!have_vmm()) {
+        skip("the driver has no VMM API");
+        return;
+    }
+    setenv("GPU_HARNESS_TARGET_VMM", "fd", 1);
+    g_target_vmm = true;
+    ipc_basic();
+    /* Both sides VMM: our VMM memory with the target's DRAM travels by COPY requests, the
+     * target opening our chunks from our fd socket. */
+    g_alloc = ALLOC_VMM_FD;
+    ipc_basic();
+    g_alloc = ALLOC_LEGACY;
+    ipc_many(MANY_KERNEL);
+    ipc_many(MANY_SINGLE);
+    ipc_unload();
+    ipc_peer_death();
+    ipc_fallback("MOCK_CUDA_VMM_IMPORT_FAIL", "1", "import-fails");
+    g_target_vmm = false;
+    unsetenv("GPU_HARNESS_TARGET_VMM");
+    ipc_vmm_nofd();
+    snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/vmm/leaks");
+    if (cu.mock_vmm_imported_handles)
+        check(cu.mock_vmm_imported_handles() == 0 && cu.mock_vmm_imported_ranges() == 0,
+              "after the VMM cases no imported chunk (%d) or reservation (%d) is left here", cu.mock_vmm_imported_handles(),
+              cu.mock_vmm_imported_ranges());
+}
+
 static void suite_ipc(void) {
     g_mock = cu.mock_ipc_open_count && cu.mock_batch_calls && cu.mock_copy_calls;
     if (!g_mock)
@@ -1376,6 +1545,7 @@ static void suite_ipc(void) {
     ipc_peer_death();
     ipc_skip_apply(true);
     ipc_skip_apply(false);
+    suite_ipc_vmm();
     ipc_env_end();
 }
 

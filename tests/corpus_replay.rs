@@ -13,7 +13,7 @@
 //!   NF_CORPUS_REGEN=1 cargo test --release --test corpus_replay     (make fuzz-corpus)
 use nixl_fabric::engine::wire::{
     decode_ctrl, encode_ctrl, ConnInfo, CopyReq, CtrlType, IpcDesc, MemDesc, ProcessInfo, RailAddr, Stage, StageAck,
-    StageDir, IPC_HANDLE_LEN, IPC_KIND_LEGACY,
+    StageDir, VmmChunkDesc, VmmDesc, IPC_HANDLE_LEN, IPC_KIND_LEGACY, IPC_KIND_VMM_FD,
 };
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -104,7 +104,20 @@ fn all_raw(b: &[u8]) {
 }
 
 fn ipc_block(alloc_base: u64, alloc_len: u64) -> IpcDesc {
-    IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: *b"GPU-uuid-0123456", alloc_base, alloc_len, handle: [0x5a; IPC_HANDLE_LEN] }
+    IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: *b"GPU-uuid-0123456", alloc_base, alloc_len, handle: [0x5a; IPC_HANDLE_LEN], vmm: None }
+}
+
+/// A VMM block: `chunks` (offset, length, granularity) from `alloc_base`.
+fn vmm_block(alloc_base: u64, chunks: &[(u64, u64, u64)]) -> IpcDesc {
+    let chunks: Vec<VmmChunkDesc> = chunks.iter().map(|&(offset, len, granularity)| VmmChunkDesc { offset, len, granularity }).collect();
+    IpcDesc {
+        kind: IPC_KIND_VMM_FD,
+        device_uuid: *b"GPU-uuid-0123456",
+        alloc_base,
+        alloc_len: chunks.iter().map(|c| c.len).sum(),
+        handle: [0; IPC_HANDLE_LEN],
+        vmm: Some(VmmDesc { reg_id: 0x0102_0304_0506_0708, socket: b"nixl-fabric-fd-1122334455667788-99aabbcc".to_vec(), chunks }),
+    }
 }
 
 // ---- the generator ----------------------------------------------------------------------
@@ -247,8 +260,30 @@ fn generate() -> BTreeMap<&'static str, Vec<(String, Vec<u8>)>> {
     v.push(("bad-ipc-on-dram".into(), MemDesc { mem_type: 0, ..ipc.clone() }.encode()));
     let mut b = ipc.encode();
     let kind_at = b.len() - IPC_HANDLE_LEN - 16 - 16 - 1;
-    b[kind_at] = 2;
-    v.push(("bad-ipc-kind-2".into(), b));
+    b[kind_at] = 3;
+    v.push(("bad-ipc-kind-3".into(), b));
+    let (g, vb) = (2u64 << 20, 0x7000_0000u64);
+    let vmm = |chunks: &[(u64, u64, u64)]| MemDesc { ipc: Some(vmm_block(vb, chunks)), ..mem(3, 1, vb + 4096, 4 << 20, vec![0, 0]) };
+    let three = [(0, g, g), (g, 2 * g, g), (3 * g, g, g)];
+    v.push(("ok-vram-vmm-3chunks".into(), vmm(&three).encode()));
+    v.push(("bad-vmm-gap".into(), vmm(&[(0, g, g), (2 * g, 2 * g, g), (4 * g, g, g)]).encode()));
+    v.push(("bad-vmm-empty-chunk".into(), vmm(&[(0, 4 * g, g), (4 * g, 0, g)]).encode()));
+    v.push(("bad-vmm-granularity-not-pow2".into(), vmm(&[(0, 3 * g, 3 * g), (3 * g, g, g)]).encode()));
+    v.push(("bad-vmm-unaligned".into(), vmm(&[(0, g + 4096, g), (g + 4096, 3 * g - 4096, g)]).encode()));
+    v.push(("bad-vmm-registration-outside".into(), vmm(&[(0, 2 * g, g)]).encode()));
+    let mut d = vmm(&three);
+    d.ipc.as_mut().and_then(|i| i.vmm.as_mut()).map(|x| x.socket = b"two words".to_vec());
+    v.push(("bad-vmm-socket-name".into(), d.encode()));
+    let mut d = vmm(&three);
+    d.ipc.as_mut().and_then(|i| i.vmm.as_mut()).map(|x| x.chunks.clear());
+    v.push(("bad-vmm-0chunks".into(), d.encode()));
+    // A count of 4097 (over the bound): refused before the chunks are read.
+    let mut b = vmm(&[(0, 4 << 20, 4 << 20)]).encode();
+    let cc = b.len() - 24 - 2;
+    b[cc..cc + 2].copy_from_slice(&4097u16.to_le_bytes());
+    v.push(("bad-vmm-4097chunks".into(), b));
+    let b = vmm(&three).encode();
+    v.push(("trunc-vmm-in-chunks".into(), b[..b.len() - 5].to_vec()));
     v.push(("bad-base-len-overflow".into(), mem(1, 0, u64::MAX - 4095, 4097, vec![5]).encode()));
     v.push(("bad-0keys".into(), mem(0, 0, 0, 1, vec![]).encode()));
     let mut b = mem(0, 0, 0, 1, vec![1]).encode(); // count 65: refused before the keys are read

@@ -76,6 +76,26 @@ pub(super) struct Fns {
     pub module_unload: Option<FnModuleUnload>,
     pub module_get_function: Option<FnModuleGetFunction>,
     pub launch_kernel: Option<FnLaunchKernel>,
+    /// The virtual memory management API (CUDA >= 10.2); any may be absent.
+    pub vmm: VmmFns,
+}
+
+/// Entry points of the virtual memory management API, each optional.
+#[derive(Default)]
+pub(super) struct VmmFns {
+    pub mem_create: Option<FnMemCreate>,
+    pub mem_release: Option<FnMemRelease>,
+    pub address_reserve: Option<FnMemAddressReserve>,
+    pub address_free: Option<FnMemAddressFree>,
+    pub map: Option<FnMemMap>,
+    pub unmap: Option<FnMemUnmap>,
+    pub set_access: Option<FnMemSetAccess>,
+    pub retain_handle: Option<FnMemRetainAllocationHandle>,
+    pub props_from_handle: Option<FnMemGetAllocationPropertiesFromHandle>,
+    pub export: Option<FnMemExportToShareableHandle>,
+    pub import: Option<FnMemImportFromShareableHandle>,
+    pub address_range: Option<FnMemGetAddressRange>,
+    pub granularity: Option<FnMemGetAllocationGranularity>,
 }
 
 /// cuMemcpyBatchAsync changed shape in CUDA 13 (the failure index went away); the symbol
@@ -203,6 +223,21 @@ impl Driver {
             module_unload: opt!("cuModuleUnload"),
             module_get_function: opt!("cuModuleGetFunction"),
             launch_kernel: opt!("cuLaunchKernel"),
+            vmm: VmmFns {
+                mem_create: opt!("cuMemCreate"),
+                mem_release: opt!("cuMemRelease"),
+                address_reserve: opt!("cuMemAddressReserve"),
+                address_free: opt!("cuMemAddressFree"),
+                map: opt!("cuMemMap"),
+                unmap: opt!("cuMemUnmap"),
+                set_access: opt!("cuMemSetAccess"),
+                retain_handle: opt!("cuMemRetainAllocationHandle"),
+                props_from_handle: opt!("cuMemGetAllocationPropertiesFromHandle"),
+                export: opt!("cuMemExportToShareableHandle"),
+                import: opt!("cuMemImportFromShareableHandle"),
+                address_range: opt!("cuMemGetAddressRange_v2"),
+                granularity: opt!("cuMemGetAllocationGranularity"),
+            },
         };
         let mut d = Driver { f, path: path.to_string(), version: 0, _lib: lib };
         // SAFETY: cuInit takes a flags word (must be 0) and touches no memory of ours.

@@ -55,11 +55,12 @@ static long n_get_current, n_set_current, n_push, n_pop;
 /* kind: how the memory came to be, which decides how it goes away (and which calls may
  * free it): malloc'd host memory, a registered user range, our memfd device memory, or a
  * peer's memfd mapped by cuIpcOpenMemHandle. */
-enum { K_HOST = 0, K_HOSTREG = 1, K_DEVICE = 2, K_IPC = 3 };
+enum { K_HOST = 0, K_HOSTREG = 1, K_DEVICE = 2, K_IPC = 3, K_VMM = 4 };
 struct alloc {
     uintptr_t base; size_t size; CUcontext ctx; unsigned type; int owned; int used;
     int kind; int fd;                  /* K_DEVICE: our memfd */
     int peer_pid, peer_fd; ino_t ino;  /* K_IPC: whose memfd this maps */
+    int phys;                          /* K_VMM: index of the physical allocation mapped */
 };
 #define NALLOC 512
 static struct alloc allocs[NALLOC];
@@ -72,7 +73,7 @@ static struct alloc *add_alloc_kind(uintptr_t base, size_t size, unsigned type, 
     pthread_mutex_lock(&lock);
     for (int i = 0; i < NALLOC; i++) {
         if (!allocs[i].used) {
-            allocs[i] = (struct alloc){ base, size, cur(), type, owned, 1, kind, -1, 0, -1, 0 };
+            allocs[i] = (struct alloc){ base, size, cur(), type, owned, 1, kind, -1, 0, -1, 0, -1 };
             pthread_mutex_unlock(&lock);
             return &allocs[i];
         }
@@ -208,17 +209,19 @@ CUresult cuCtxPopCurrent_v2(CUcontext *c) {
 }
 CUresult cuCtxGetDevice(CUdevice *d) { if (!cur()) return INVALID_CONTEXT; *d = cur()->dev; return OK; }
 
+static int alloc_dev(const struct alloc *a);
 static void put(void *slot, unsigned attr, struct alloc *a) {
     switch (attr) {
     case 1: *(void **)slot = a ? (void *)a->ctx : NULL; break;              /* CONTEXT */
     case 2: *(unsigned *)slot = a ? a->type : 0; break;                     /* MEMORY_TYPE */
     case 8: *(unsigned char *)slot = 0; break;                              /* IS_MANAGED (1 byte) */
-    case 9: *(int *)slot = a ? (a->ctx ? a->ctx->dev : 0) : -2; break;      /* DEVICE_ORDINAL */
+    case 9: *(int *)slot = a ? alloc_dev(a) : -2; break;                    /* DEVICE_ORDINAL */
+    case 10: *(int *)slot = a && a->kind == K_DEVICE; break;                 /* IS_LEGACY_CUDA_IPC_CAPABLE */
     case 11: *(CUdeviceptr *)slot = a ? a->base : 0; break;                 /* RANGE_START_ADDR */
     case 12: *(size_t *)slot = a ? a->size : 0; break;                      /* RANGE_SIZE */
     }
 }
-static int known_attr(unsigned a) { return a == 1 || a == 2 || a == 8 || a == 9 || a == 11 || a == 12; }
+static int known_attr(unsigned a) { return a == 1 || a == 2 || a == 8 || a == 9 || a == 10 || a == 11 || a == 12; }
 
 CUresult cuPointerGetAttributes(unsigned n, unsigned *attrs, void **data, CUdeviceptr p) {
     if (!inited) return NOT_INITIALIZED;
@@ -281,10 +284,22 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
 }
 CUresult cuMemHostUnregister(void *p) { if (!cur()) return INVALID_CONTEXT; return remove_alloc_kind((uintptr_t)p, K_HOSTREG) ? INVALID_VALUE : OK; }
 
-static int known_range(CUdeviceptr p, size_t n) {
-    struct alloc *a = find((uintptr_t)p);
-    return a && (uintptr_t)p + n <= a->base + a->size;
+/* Whether [p, p+n) lies in one known allocation, or in VMM mappings that follow each other
+ * without a gap (the real driver copies across the chunks of one reserved range); a VMM
+ * mapping whose access was never set (cuMemSetAccess) is not usable. */
+static int span_ok(CUdeviceptr p, size_t n, int device_only) {
+    uintptr_t at = (uintptr_t)p, end = (uintptr_t)p + n;
+    for (;;) {
+        struct alloc *a = find(at);
+        if (!a) return 0;
+        if (device_only && a->kind != K_DEVICE && a->kind != K_IPC && a->kind != K_VMM) return 0;
+        if (a->kind == K_VMM && !a->owned) return 0; /* mapped, no access granted */
+        if (end <= a->base + a->size) return 1;
+        if (a->kind != K_VMM) return 0;
+        at = a->base + a->size;
+    }
 }
+static int known_range(CUdeviceptr p, size_t n) { return span_ok(p, n, 0); }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) {
     if (!cur()) return INVALID_CONTEXT;
     if (!known_range(d, n)) return INVALID_VALUE;
@@ -348,7 +363,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream s
  * which the real driver also accepts for cuMemcpy and the batch copy. */
 static int range_ok(CUdeviceptr p, size_t n) {
     struct alloc *a = find((uintptr_t)p);
-    return !a || (uintptr_t)p + n <= a->base + a->size;
+    return !a || span_ok(p, n, 0);
 }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
     CUresult r = stream_ok(st);
@@ -437,10 +452,7 @@ CUresult cuModuleUnload(CUmodule m) {
     free(m);
     return OK;
 }
-static int device_range(CUdeviceptr p, size_t n) {
-    struct alloc *a = find((uintptr_t)p);
-    return a && (a->kind == K_DEVICE || a->kind == K_IPC) && (uintptr_t)p + n <= a->base + a->size;
-}
+static int device_range(CUdeviceptr p, size_t n) { return span_ok(p, n, 1); }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, CUstream st, void **params, void **extra) {
     if (!f || f->magic != MODULE_MAGIC) return INVALID_HANDLE;
@@ -572,3 +584,283 @@ CUresult cuEventQuery(CUevent e) {
 }
 CUresult cuEventSynchronize(CUevent e) { if (!cur() || e->ctx != cur()) return INVALID_CONTEXT; e->pending = 0; return OK; }
 CUresult cuEventDestroy_v2(CUevent e) { if (!e || !cur()) return INVALID_HANDLE; free(e); return OK; }
+
+/* ---- virtual memory management (cuMemCreate and friends) ------------------------------- */
+/* A physical allocation is a memfd of its own (named after its device, so an imported fd
+ * says which GPU it lives on); cuMemAddressReserve reserves PROT_NONE address space;
+ * cuMemMap maps the memfd there, still PROT_NONE until cuMemSetAccess grants access (the
+ * real driver faults on a mapping without access too). A mapping is an allocation record
+ * of kind K_VMM: it belongs to no context (CU_POINTER_ATTRIBUTE_CONTEXT is NULL), cannot
+ * be exported with cuIpcGetMemHandle, and cuMemGetAddressRange / the range attributes
+ * report the mapping (one chunk), not the reservation. Exporting to a POSIX fd works only
+ * when the allocation asked for that handle type at creation. Granularity: 64 KiB
+ * (MOCK_CUDA_VMM_GRANULARITY overrides), and every size, offset and address must be a
+ * multiple of it; cuMemMap's offset must be 0. MOCK_CUDA_VMM_IMPORT_FAIL=1: imports fail. Handles are counted: the creation,
+ * each cuMemRetainAllocationHandle and each mapping hold a reference; cuMemRelease and
+ * cuMemUnmap drop one; the memfd closes with the last. */
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct {
+    int type;                 /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int requestedHandleTypes; /* bit 0x1: CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+    struct { int type; int id; } location; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    void *win32HandleMetaData;
+    struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
+typedef struct { struct { int type; int id; } location; int flags; } CUmemAccessDesc;
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
+
+#define NPHYS 1024
+#define NRESV 256
+#define HANDLE_TAG 0x7e3d000000000000ULL
+static struct phys { int used, fd, dev, types, refs, imported; size_t size; } phys[NPHYS];
+static struct resv { int used, imported; uintptr_t base; size_t size; } resv[NRESV];
+
+static size_t gran(void) {
+    const char *g = getenv("MOCK_CUDA_VMM_GRANULARITY");
+    size_t v = g ? strtoull(g, NULL, 0) : 0;
+    return v && (v & (v - 1)) == 0 && v >= 4096 ? v : (64 << 10);
+}
+static int alloc_dev(const struct alloc *a) {
+    if (a->kind == K_VMM && a->phys >= 0) return phys[a->phys].dev;
+    return a->ctx ? a->ctx->dev : 0;
+}
+/* Index of the live physical allocation `h` names, or -1. Called with `lock` held. */
+static int phys_of(CUmemGenericAllocationHandle h) {
+    if ((h & 0xffff000000000000ULL) != HANDLE_TAG) return -1;
+    unsigned long long i = (h & 0xffffffffULL) - 1;
+    return i < NPHYS && phys[i].used ? (int)i : -1;
+}
+static CUmemGenericAllocationHandle handle_of(int i) { return HANDLE_TAG | (unsigned long long)(i + 1); }
+static void phys_unref(int i) { /* lock held */
+    if (--phys[i].refs == 0) { close(phys[i].fd); phys[i].used = 0; }
+}
+static int phys_new(int fd, size_t size, int dev, int types, int imported) { /* lock held */
+    for (int i = 0; i < NPHYS; i++)
+        if (!phys[i].used) { phys[i] = (struct phys){ 1, fd, dev, types, 1, imported, size }; return i; }
+    return -1;
+}
+/* Test hooks: physical allocations alive in this process that were imported from an fd,
+ * and reservations that hold (or held) imported memory and are not freed yet. */
+int mock_vmm_imported_handles(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < NPHYS; i++) n += phys[i].used && phys[i].imported;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+int mock_vmm_imported_ranges(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < NRESV; i++) n += resv[i].used && resv[i].imported;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop, int option) {
+    if (!g || !prop || (option != 0 && option != 1)) return INVALID_VALUE;
+    if (prop->type != 1 || prop->location.type != 1 || prop->location.id < 0 || prop->location.id >= NDEV) return INVALID_VALUE;
+    *g = gran();
+    return OK;
+}
+CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop, unsigned long long flags) {
+    if (!cur()) return INVALID_CONTEXT;
+    if (!h || !prop || flags || size == 0 || size % gran()) return INVALID_VALUE;
+    if (prop->type != 1 || prop->location.type != 1 || prop->location.id < 0 || prop->location.id >= NDEV) return INVALID_VALUE;
+    if (prop->requestedHandleTypes & ~0x1) return NOT_SUPPORTED; /* only POSIX fds here */
+    char name[32];
+    snprintf(name, sizeof name, "mock-cuda-vmm-dev%d", prop->location.id);
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)size) != 0) { close(fd); return OUT_OF_MEMORY; }
+    pthread_mutex_lock(&lock);
+    int i = phys_new(fd, size, prop->location.id, prop->requestedHandleTypes, 0);
+    pthread_mutex_unlock(&lock);
+    if (i < 0) { close(fd); return OUT_OF_MEMORY; }
+    *h = handle_of(i);
+    return OK;
+}
+CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    pthread_mutex_lock(&lock);
+    int i = phys_of(h);
+    if (i >= 0) phys_unref(i);
+    pthread_mutex_unlock(&lock);
+    return i < 0 ? INVALID_VALUE : OK;
+}
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    size_t g = gran();
+    (void)addr; /* a hint only */
+    if (!p || flags || size == 0 || size % g || (align && (align & (align - 1)))) return INVALID_VALUE;
+    if (align < g) align = g;
+    void *m = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    uintptr_t b = ((uintptr_t)m + align - 1) & ~(uintptr_t)(align - 1);
+    if (b > (uintptr_t)m) munmap(m, b - (uintptr_t)m);
+    if ((uintptr_t)m + size + align > b + size) munmap((void *)(b + size), (uintptr_t)m + size + align - b - size);
+    pthread_mutex_lock(&lock);
+    int k = -1;
+    for (int i = 0; i < NRESV && k < 0; i++)
+        if (!resv[i].used) { resv[i] = (struct resv){ 1, 0, b, size }; k = i; }
+    pthread_mutex_unlock(&lock);
+    if (k < 0) { munmap((void *)b, size); return OUT_OF_MEMORY; }
+    *p = b;
+    return OK;
+}
+/* Only a whole reservation, and only once nothing is mapped in it any more. */
+CUresult cuMemAddressFree(CUdeviceptr p, size_t size) {
+    pthread_mutex_lock(&lock);
+    int k = -1;
+    for (int i = 0; i < NRESV; i++)
+        if (resv[i].used && resv[i].base == p && resv[i].size == size) k = i;
+    for (int i = 0; k >= 0 && i < NALLOC; i++)
+        if (allocs[i].used && allocs[i].kind == K_VMM && allocs[i].base >= p && allocs[i].base < p + size) k = -2;
+    if (k >= 0) resv[k].used = 0;
+    pthread_mutex_unlock(&lock);
+    if (k < 0) return INVALID_VALUE;
+    munmap((void *)(uintptr_t)p, size);
+    return OK;
+}
+CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGenericAllocationHandle h, unsigned long long flags) {
+    if (!cur()) return INVALID_CONTEXT;
+    size_t g = gran();
+    if (flags || offset || size == 0 || size % g || p % g) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    int i = phys_of(h), k = -1;
+    for (int r = 0; r < NRESV; r++)
+        if (resv[r].used && p >= resv[r].base && p + size <= resv[r].base + resv[r].size) k = r;
+    CUresult res = i < 0 ? INVALID_HANDLE : k < 0 || size > phys[i].size ? INVALID_VALUE : OK;
+    for (int a = 0; res == OK && a < NALLOC; a++)
+        if (allocs[a].used && allocs[a].base < p + size && p < allocs[a].base + allocs[a].size) res = ALREADY_MAPPED;
+    if (res == OK && mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, phys[i].fd, 0) == MAP_FAILED) res = OUT_OF_MEMORY;
+    if (res == OK) {
+        int a = 0;
+        while (a < NALLOC && allocs[a].used) a++;
+        if (a == NALLOC) {
+            mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+            res = OUT_OF_MEMORY;
+        } else {
+            allocs[a] = (struct alloc){ (uintptr_t)p, size, NULL, 2, 0, 1, K_VMM, -1, 0, -1, 0, i };
+            phys[i].refs++;
+            if (phys[i].imported) resv[k].imported = 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return res;
+}
+/* [p, p+size) must be covered exactly by whole mappings. */
+CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
+    if (!cur()) return INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    size_t covered = 0;
+    for (int a = 0; a < NALLOC; a++) {
+        struct alloc *x = &allocs[a];
+        if (!x->used || x->base + x->size <= p || x->base >= p + size) continue;
+        if (x->kind != K_VMM || x->base < p || x->base + x->size > p + size) { pthread_mutex_unlock(&lock); return INVALID_VALUE; }
+        covered += x->size;
+    }
+    if (covered != size || size == 0) { pthread_mutex_unlock(&lock); return INVALID_VALUE; }
+    for (int a = 0; a < NALLOC; a++) {
+        struct alloc *x = &allocs[a];
+        if (x->used && x->kind == K_VMM && x->base >= p && x->base < p + size) {
+            x->used = 0;
+            phys_unref(x->phys);
+        }
+    }
+    mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    pthread_mutex_unlock(&lock);
+    return OK;
+}
+/* Every byte of the range must be mapped; access for one device, read or read-write. */
+CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    if (!cur()) return INVALID_CONTEXT;
+    if (!desc || count == 0 || size == 0) return INVALID_VALUE;
+    int prot = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (desc[i].location.type != 1 || desc[i].location.id < 0 || desc[i].location.id >= NDEV) return INVALID_DEVICE;
+        if (desc[i].flags != 1 && desc[i].flags != 3) return INVALID_VALUE;
+        prot |= desc[i].flags == 3 ? PROT_READ | PROT_WRITE : PROT_READ;
+    }
+    pthread_mutex_lock(&lock);
+    size_t covered = 0;
+    for (int a = 0; a < NALLOC; a++) {
+        struct alloc *x = &allocs[a];
+        if (x->used && x->kind == K_VMM && x->base >= p && x->base + x->size <= p + size) covered += x->size;
+    }
+    CUresult res = covered == size ? OK : INVALID_VALUE;
+    if (res == OK && mprotect((void *)(uintptr_t)p, size, prot) != 0) res = INVALID_VALUE;
+    for (int a = 0; res == OK && a < NALLOC; a++) {
+        struct alloc *x = &allocs[a];
+        if (x->used && x->kind == K_VMM && x->base >= p && x->base + x->size <= p + size) x->owned = 1; /* access granted */
+    }
+    pthread_mutex_unlock(&lock);
+    return res;
+}
+/* Any address inside a mapping names its allocation; one more reference to release. */
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr) {
+    if (!h) return INVALID_VALUE;
+    struct alloc *a = find((uintptr_t)addr);
+    if (!a || a->kind != K_VMM) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    phys[a->phys].refs++;
+    *h = handle_of(a->phys);
+    pthread_mutex_unlock(&lock);
+    return OK;
+}
+CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h) {
+    if (!prop) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    int i = phys_of(h);
+    if (i >= 0) {
+        memset(prop, 0, sizeof *prop);
+        prop->type = 1;
+        prop->requestedHandleTypes = phys[i].types;
+        prop->location.type = 1;
+        prop->location.id = phys[i].dev;
+    }
+    pthread_mutex_unlock(&lock);
+    return i < 0 ? INVALID_VALUE : OK;
+}
+/* A POSIX fd (a dup of the memfd) for an allocation created to allow it. */
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags) {
+    if (!cur()) return INVALID_CONTEXT;
+    if (!out || flags || type != 1) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    int i = phys_of(h);
+    CUresult res = i < 0 ? INVALID_VALUE : !(phys[i].types & 1) ? NOT_SUPPORTED : OK;
+    int fd = res == OK ? fcntl(phys[i].fd, F_DUPFD_CLOEXEC, 0) : -1;
+    pthread_mutex_unlock(&lock);
+    if (res == OK && fd < 0) return OUT_OF_MEMORY;
+    if (res == OK) *(int *)out = fd;
+    return res;
+}
+/* The fd is the caller's to close afterwards; the imported handle holds its own reference. */
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os_handle, int type) {
+    if (!cur()) return INVALID_CONTEXT;
+    if (!h || type != 1) return INVALID_VALUE;
+    if (env_is("MOCK_CUDA_VMM_IMPORT_FAIL")) return NOT_SUPPORTED; /* e.g. another driver instance */
+    int fd = (int)(intptr_t)os_handle, dev = -1;
+    char path[64], target[128] = "";
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n > 0) target[n] = 0;
+    if (n <= 0 || sscanf(target, "/memfd:mock-cuda-vmm-dev%d", &dev) != 1 || dev < 0 || dev >= NDEV) return INVALID_HANDLE;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % gran()) return INVALID_HANDLE;
+    int mine = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (mine < 0) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&lock);
+    int i = phys_new(mine, (size_t)st.st_size, dev, 1, 1);
+    pthread_mutex_unlock(&lock);
+    if (i < 0) { close(mine); return OUT_OF_MEMORY; }
+    *h = handle_of(i);
+    return OK;
+}
+/* The allocation holding dptr: for VMM memory the one mapping (chunk) that contains it. */
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    if (!inited) return NOT_INITIALIZED;
+    struct alloc *a = find((uintptr_t)p);
+    if (!a || (a->kind != K_DEVICE && a->kind != K_IPC && a->kind != K_VMM)) return NOT_FOUND;
+    if (base) *base = a->base;
+    if (size) *size = a->size;
+    return OK;
+}

@@ -15,7 +15,8 @@
 //! Pieces: [`Driver`] (loading, [`Driver::pointer_info`]), [`Context`] (capture and
 //! `make_current`), synchronous copies on `Context`, [`Stream`]/[`Event`] for pipelined
 //! staging copies, [`PinnedBuffer`] bounce buffers, [`IpcHandle`]/[`IpcMapping`] for
-//! device memory shared with same-host peers and batched copies, [`CopyKernel`] for many
+//! device memory shared with same-host peers and batched copies, [`VmmMapping`] for
+//! peers' VMM memory imported from POSIX fds, [`CopyKernel`] for many
 //! small device-to-device copies in one launch, and the test helpers
 //! [`DeviceBuffer`], [`Context::primary`], [`Context::create`].
 mod context;
@@ -27,6 +28,7 @@ mod memory;
 mod pointer;
 mod stream;
 mod sys;
+mod vmm;
 
 pub use context::{Context, OwnedContext, PrimaryContext};
 pub use driver::{library_path, Driver, DEFAULT_LIB, LIB_ENV};
@@ -36,6 +38,7 @@ pub use ipc::{batch_unsupported, IpcHandle, IpcMapping, IPC_HANDLE_LEN};
 pub use memory::{DeviceBuffer, HostRegistration, PinnedBuffer};
 pub use pointer::{MemoryType, PointerInfo};
 pub use stream::{Event, Stream};
+pub use vmm::{VmmBuffer, VmmChunk, VmmMapping};
 
 /// Whether the CUDA driver loaded and initialised (loads it on first call).
 pub fn available() -> bool {

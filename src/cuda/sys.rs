@@ -194,3 +194,86 @@ pub type FnLaunchKernel = unsafe extern "C" fn(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult;
+
+// ---- virtual memory management (cuMemCreate/cuMemMap and shareable handles) ----
+
+/// `CUmemGenericAllocationHandle`: `unsigned long long` naming a physical allocation.
+pub type CUmemGenericAllocationHandle = u64;
+/// `CUmemAllocationType`: pinned device memory.
+pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_int = 1;
+/// `CUmemAllocationHandleType`: a POSIX file descriptor (a bit in `requestedHandleTypes`).
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 1;
+/// `CUmemLocationType`: a device, `id` its ordinal.
+pub const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+/// `CUmemAccess_flags`: read and write.
+pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
+/// `CUmemAllocationGranularity_flags`: the minimum.
+pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0;
+pub const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: CUpointer_attribute = 10;
+
+/// `CUmemAllocationProp` (LP64: 32 bytes).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUmemAllocationProp {
+    pub kind: c_int,
+    pub requested_handle_types: c_int,
+    pub location: CUmemLocation,
+    pub win32_handle_meta_data: *mut c_void,
+    /// allocFlags: compressionType, gpuDirectRDMACapable, usage (u16), reserved[4].
+    pub alloc_flags: [u8; 8],
+}
+impl Default for CUmemAllocationProp {
+    fn default() -> Self {
+        CUmemAllocationProp {
+            kind: 0,
+            requested_handle_types: 0,
+            location: CUmemLocation::default(),
+            win32_handle_meta_data: std::ptr::null_mut(),
+            alloc_flags: [0; 8],
+        }
+    }
+}
+/// `CUmemAccessDesc`: a location and its access flags (12 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct CUmemAccessDesc {
+    pub location: CUmemLocation,
+    pub flags: c_int,
+}
+
+pub type FnMemCreate = unsafe extern "C" fn(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult;
+pub type FnMemRelease = unsafe extern "C" fn(handle: CUmemGenericAllocationHandle) -> CUresult;
+pub type FnMemAddressReserve =
+    unsafe extern "C" fn(ptr: *mut CUdeviceptr, size: usize, alignment: usize, addr: CUdeviceptr, flags: u64) -> CUresult;
+pub type FnMemAddressFree = unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult;
+pub type FnMemMap = unsafe extern "C" fn(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CUresult;
+pub type FnMemUnmap = unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult;
+pub type FnMemSetAccess =
+    unsafe extern "C" fn(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) -> CUresult;
+pub type FnMemRetainAllocationHandle =
+    unsafe extern "C" fn(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) -> CUresult;
+pub type FnMemGetAllocationPropertiesFromHandle =
+    unsafe extern "C" fn(prop: *mut CUmemAllocationProp, handle: CUmemGenericAllocationHandle) -> CUresult;
+/// `cuMemExportToShareableHandle(void *shareableHandle, handle, handleType, flags)`: for a
+/// POSIX fd, `shareableHandle` points to an `int`.
+pub type FnMemExportToShareableHandle =
+    unsafe extern "C" fn(shareable: *mut c_void, handle: CUmemGenericAllocationHandle, kind: c_int, flags: u64) -> CUresult;
+/// `cuMemImportFromShareableHandle(handle*, void *osHandle, type)`: for a POSIX fd,
+/// `osHandle` is the fd's value cast to a pointer.
+pub type FnMemImportFromShareableHandle =
+    unsafe extern "C" fn(handle: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, kind: c_int) -> CUresult;
+/// `cuMemGetAddressRange_v2`: for VMM memory, the range of the mapping holding `dptr`.
+pub type FnMemGetAddressRange = unsafe extern "C" fn(base: *mut CUdeviceptr, size: *mut usize, dptr: CUdeviceptr) -> CUresult;
+pub type FnMemGetAllocationGranularity =
+    unsafe extern "C" fn(granularity: *mut usize, prop: *const CUmemAllocationProp, option: c_int) -> CUresult;

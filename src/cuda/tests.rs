@@ -806,3 +806,81 @@ fn gpu_gather_kernel() {
     println!("gather kernel ({n} launches in the checks): {N} x {B} B scattered: kernel {:.1} us ({:.1} GB/s), cuMemcpyBatchAsync {:.1} us ({:.1} GB/s)",
              tk * 1e6, gb / tk, tb * 1e6, gb / tb);
 }
+
+// ---------------------------------------------------------------------------------------
+// VMM memory shared by POSIX fds, within one process: chunks found, exported, imported and
+// mapped into a second range of our own; both ranges then show the same bytes.
+
+fn vmm_checks(p: &PrimaryContext) -> String {
+    let d = Driver::get().unwrap();
+    assert!(d.has_vmm_export() && d.has_vmm_import(), "the driver lacks VMM entry points");
+    let g = VmmBuffer::granularity(p.ordinal(), true).unwrap();
+    let buf = VmmBuffer::new(p, p.ordinal(), 3, g, true).unwrap();
+    let len = buf.len() as usize;
+    // Attributes: device memory of no context, no legacy handle, the range is one chunk.
+    let info = d.pointer_info(buf.addr() + g + 5).unwrap();
+    assert!(info.is_device() && info.context.is_none(), "{info:?}");
+    assert_eq!((info.range_start, info.range_size), (buf.addr() + g, g), "the range attributes name one chunk");
+    assert_eq!(d.legacy_ipc_capable(buf.addr()), Some(false));
+    assert!(d.ipc_export(p, buf.addr()).is_err(), "cuIpcGetMemHandle must refuse VMM memory");
+    // A registration starting inside the first chunk still covers all three.
+    let chunks = d.vmm_chunks(p, buf.addr() + 4096, buf.len() - 4096, 16).unwrap();
+    assert_eq!(chunks.len(), 3);
+    for (i, c) in chunks.iter().enumerate() {
+        assert_eq!((c.base, c.len), (buf.addr() + i as u64 * g, g));
+        assert!(c.granularity.is_power_of_two() && g % c.granularity == 0);
+    }
+    assert!(d.vmm_chunks(p, buf.addr(), buf.len(), 2).is_err(), "the chunk bound holds");
+    let want: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    // SAFETY: the buffer is len bytes of device memory of ours, idle.
+    unsafe { p.copy_htod(buf.addr(), &want).unwrap() };
+    let parts: Vec<(u64, u64, std::os::fd::OwnedFd)> =
+        chunks.iter().map(|c| (c.base - buf.addr(), c.len, d.vmm_export_fd(p, c.base).unwrap())).collect();
+    let m = VmmMapping::import(p, parts, buf.len(), g).unwrap();
+    assert_ne!(m.base(), buf.addr());
+    let mut got = vec![0u8; len];
+    // SAFETY: the mapping is len bytes, mapped read-write for this device.
+    unsafe { p.copy_dtoh(&mut got, m.base()).unwrap() };
+    assert!(got == want, "the imported mapping shows other bytes");
+    // Written through the mapping, seen in the original (across a chunk boundary).
+    let patch = vec![0xa5u8; 8192];
+    // SAFETY: [g - 4096, +8192) lies inside both ranges.
+    unsafe { p.copy_htod(m.base() + g - 4096, &patch).unwrap() };
+    let mut back = vec![0u8; 8192];
+    // SAFETY: as above.
+    unsafe { p.copy_dtoh(&mut back, buf.addr() + g - 4096).unwrap() };
+    assert_eq!(back, patch);
+    // Without the POSIX fd handle type: refused by name, before any fd exists.
+    let nofd = VmmBuffer::new(p, p.ordinal(), 1, g, false).unwrap();
+    let e = d.vmm_chunks(p, nofd.addr(), nofd.len(), 16).unwrap_err();
+    assert!(e.to_string().contains("POSIX fd"), "{e}");
+    drop(m);
+    format!("{} chunks of {g} bytes", chunks.len())
+}
+
+#[test]
+fn mock_vmm_export_import() {
+    let Some(lib) = build_mock("vmm") else { return };
+    let out = run_child(&lib, "mock_vmm_child", &[]);
+    assert!(out.contains("vmm child ok: 3 chunks"), "{out}");
+    let _ = std::fs::remove_dir_all(lib.parent().unwrap());
+}
+
+#[test]
+#[ignore = "run by mock_vmm_export_import in a child process"]
+fn mock_vmm_child() {
+    if !in_mock_child() {
+        return;
+    }
+    let p = Context::primary(0).unwrap();
+    println!("vmm child ok: {}", vmm_checks(&p));
+}
+
+/// On the real driver (tests/gpu/run-gpu.sh runs the unit tests with --include-ignored).
+#[test]
+#[ignore = "needs a GPU whose driver has the VMM API; run with --include-ignored"]
+fn gpu_vmm_export_import() {
+    let Some(_) = gpu() else { return };
+    let p = Context::primary(0).unwrap();
+    println!("gpu vmm ok: {}", vmm_checks(&p));
+}

@@ -24,6 +24,9 @@ pub struct Core {
     pub rail_counters: Vec<RailCounters>,
     pub closeq: SharedCloseQueue,
     pub gpu: Arc<super::gpu::GpuRegistry>,
+    /// Hands the fds of our VMM registrations' chunks to same-host peers (started at the
+    /// first such registration).
+    pub fds: Arc<super::fd_share::FdServer>,
     /// Peers' GPU allocations opened here by IPC.
     pub ipc: super::direct::IpcCache,
     /// Every live registration, as engines of this process (and copy requests) see them.
@@ -58,6 +61,7 @@ impl Core {
             rail_counters: (0..rails).map(|_| RailCounters::default()).collect(),
             closeq,
             gpu: Arc::new(super::gpu::GpuRegistry::default()),
+            fds: Arc::new(super::fd_share::FdServer::new(engine_id)),
             ipc: super::direct::IpcCache::default(),
             view,
             skip_ctx_apply: std::env::var("NIXL_FABRIC_DEBUG_SKIP_CTX_APPLY").is_ok_and(|v| v == "1"),

@@ -30,6 +30,9 @@ const FALLBACK_STREAMS: usize = 4;
 const KERNEL_MAX_RANGE: usize = 4 << 20;
 /// Fewest ranges worth a launch of their own when a request is spread over the streams.
 const KERNEL_MIN_GROUP: usize = 64;
+/// Largest IPC block a copy request carries (a VMM block of up to ~40 chunks); beyond it
+/// our GPU memory with a peer's host memory is staged.
+const COPY_MAX_IPC_BYTES: usize = 1024;
 
 /// A peer's device allocation opened in this process. Shared by every descriptor and
 /// request that uses it; closed when the last of them is gone, or at once when the peer
@@ -41,7 +44,7 @@ pub struct IpcEntry {
     pub remote_base: u64,
     pub len: u64,
     pub ctx: cuda::Context,
-    mapping: Mutex<Option<cuda::IpcMapping>>,
+    mapping: Mutex<Option<Mapping>>,
     /// The primary context retained for a copy that has no device memory of ours to take a
     /// context from (our DRAM with the peer's VRAM); released after the mapping closes.
     primary: Mutex<Option<cuda::PrimaryContext>>,
@@ -68,12 +71,45 @@ impl Drop for IpcEntry {
     }
 }
 
+/// How a peer's allocation is mapped here: its legacy IPC handle opened, or its VMM chunks
+/// imported from fds and mapped into one range of ours. Dropping it closes the mapping.
+pub enum Mapping {
+    Legacy(cuda::IpcMapping),
+    Vmm(cuda::VmmMapping),
+}
+
+impl Mapping {
+    pub fn base(&self) -> u64 {
+        match self {
+            Mapping::Legacy(m) => m.base(),
+            Mapping::Vmm(m) => m.base(),
+        }
+    }
+}
+
+/// Imports a peer's VMM allocation: fetches each chunk's fd from the owner's fd socket,
+/// then imports and maps them, in order, into one reservation under `ctx`.
+fn open_vmm(ctx: &cuda::Context, ipc: &IpcDesc, timeout: std::time::Duration) -> Result<Mapping> {
+    let v = ipc.vmm.as_ref().ok_or_else(|| Error::InvalidParam("VMM IPC block without its chunk list".into()))?;
+    let d = cuda::Driver::get()?;
+    if !d.has_vmm_import() {
+        return Err(Error::NotSupported("the driver lacks the VMM import entry points".into()));
+    }
+    let lens: Vec<u64> = v.chunks.iter().map(|c| c.len).collect();
+    let fds = super::fd_share::fetch(&v.socket, v.reg_id, &lens, timeout)?;
+    let align = v.chunks.iter().map(|c| c.granularity).max().unwrap_or(1);
+    let chunks = v.chunks.iter().zip(fds).map(|(c, fd)| (c.offset, c.len, fd)).collect();
+    Ok(Mapping::Vmm(cuda::VmmMapping::import(ctx, chunks, ipc.alloc_len, align)?))
+}
+
 /// The engine's open IPC mappings, by (peer, remote allocation base, context), and the
 /// allocations whose handle could not be opened (not tried again: they use staging).
 #[derive(Default)]
 pub struct IpcCache {
-    open: Mutex<HashMap<(u64, u64, usize), Weak<IpcEntry>>>,
-    failed: Mutex<HashSet<(u64, u64)>>,
+    /// Keyed by (peer, remote base, remote length, context): two VMM registrations of one
+    /// reservation may start at the same chunk and cover different chunk counts.
+    open: Mutex<HashMap<(u64, u64, u64, usize), Weak<IpcEntry>>>,
+    failed: Mutex<HashSet<(u64, u64, u64)>>,
     /// Peers (engine ids) that could not open our memory: copies with them are staged.
     refused: Mutex<HashSet<u64>>,
 }
@@ -142,7 +178,7 @@ impl Core {
     /// holding the peer's allocation). None, with one INFO line per allocation, where the
     /// handle cannot be opened: the caller then stages.
     pub fn ipc_open(self: &Arc<Self>, peer_id: u64, peer_name: &str, ipc: &IpcDesc, local_ctx: Option<cuda::Context>) -> Option<Arc<IpcEntry>> {
-        let key = (peer_id, ipc.alloc_base);
+        let key = (peer_id, ipc.alloc_base, ipc.alloc_len);
         if self.ipc.failed.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
             return None;
         }
@@ -168,12 +204,17 @@ impl Core {
             }
         };
         let mut open = self.ipc.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = open.get(&(peer_id, ipc.alloc_base, ctx.id())).and_then(Weak::upgrade) {
+        if let Some(e) = open.get(&(peer_id, ipc.alloc_base, ipc.alloc_len, ctx.id())).and_then(Weak::upgrade) {
             if e.is_open() {
                 return Some(e);
             }
         }
-        let mapping = match cuda::IpcMapping::open(&ctx, &cuda::IpcHandle(ipc.handle)) {
+        let opened = if ipc.kind == wire::IPC_KIND_VMM_FD {
+            open_vmm(&ctx, ipc, self.cfg.timeout().min(std::time::Duration::from_secs(5)))
+        } else {
+            cuda::IpcMapping::open(&ctx, &cuda::IpcHandle(ipc.handle)).map(Mapping::Legacy).map_err(Error::from)
+        };
+        let mapping = match opened {
             Ok(m) => m,
             Err(e) => {
                 drop(open);
@@ -194,7 +235,7 @@ impl Core {
             core: self.clone(),
         });
         open.retain(|_, w| w.strong_count() > 0);
-        open.insert((peer_id, ipc.alloc_base, ctx.id()), Arc::downgrade(&e));
+        open.insert((peer_id, ipc.alloc_base, ipc.alloc_len, ctx.id()), Arc::downgrade(&e));
         Some(e)
     }
 }
@@ -235,7 +276,9 @@ pub fn plan(core: &Arc<Core>, peer: &super::peer::Peer, local: (u64, u64, &Local
             }
             // Our GPU memory with the peer's host memory: the peer copies, since only it can
             // address its host memory; it opens our allocation from the handle we send.
-            let own = lm.ipc.as_ref().filter(|_| desc.mem_type == 0 && !core.peer_copy_refused(peer.info.engine_id))?;
+            // (A VMM block with many chunks would not fit a control message: staged.)
+            let own = lm.ipc.as_ref().filter(|i| desc.mem_type == 0 && !core.peer_copy_refused(peer.info.engine_id)
+                && i.encoded_len() <= COPY_MAX_IPC_BYTES)?;
             Some((ra, SegKind::PeerCopy { alloc: own.alloc_base }, Keep::Export(own.clone())))
         }
         _ => None,
@@ -573,7 +616,7 @@ impl Driver {
             Keep::Export(i) if i.alloc_base == alloc => Some(i.clone()),
             _ => None,
         }).ok_or_else(|| Error::Backend("copy request for an allocation the request does not export".into()))?;
-        let per_msg = self.ctrl_payload_room().saturating_sub(256) / 24;
+        let per_msg = self.ctrl_payload_room().saturating_sub(64 + ipc.encoded_len()) / 24;
         let per_msg = per_msg.clamp(1, wire::COPY_MAX_RANGES);
         let first = st.next;
         let mut end = first;

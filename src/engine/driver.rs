@@ -289,6 +289,10 @@ impl Driver {
             self.flush_ctrl();
         }
         self.sweep();
+        // Let go of requests that finished in this pass now, not at the next sweep: what a
+        // request keeps alive (registrations, their page-locking) must be gone by the time
+        // its owner has released it (Engine::release waits for that) and frees the memory.
+        self.active.retain(|r| matches!(r.state().phase, Phase::Data | Phase::Notif));
         let posted = self.core.counters.ops_posted.load(std::sync::atomic::Ordering::Relaxed) != posted0;
         Pass {
             did: took || got > 0 || posted,

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Weak};
 
 /// What a VRAM registration captured: its owning context and device, and whether peers
-/// reach it through staging (no FI_HMEM MR) or directly.
+/// reach it through staging (no FI_HMEM MR) or directly. For VMM memory, which belongs to
+/// no context, the context is the device's primary context (retained by the registration).
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceMem {
     pub ctx: cuda::Context,
@@ -35,15 +36,39 @@ pub fn classify(addr: u64, len: u64, vram: bool) -> Result<Option<cuda::PointerI
     if !info.is_device() {
         return Err(Error::InvalidParam(format!("{addr:#x} is host memory ({:?}) but was registered as VRAM", info.memory_type)));
     }
-    if !info.contains(addr, len) {
-        return Err(Error::InvalidParam(format!(
-            "[{addr:#x}, +{len}) is not inside one device allocation [{:#x}, +{})", info.range_start, info.range_size
-        )));
+    if info.context.is_none() && info.device_ordinal.is_none() {
+        return Err(Error::NotSupported(format!("device memory at {addr:#x} belongs to no context and no device")));
     }
-    if info.context.is_none() {
-        return Err(Error::NotSupported(format!("device memory at {addr:#x} belongs to no context (VMM or pool allocation)")));
+    if !info.contains(addr, len) {
+        // VMM memory (no context of its own): the range reported is one mapped chunk; a
+        // registration may span several chunks mapped back to back in one reservation.
+        let spans = info.context.is_none() && vmm_span_ok(d, info.device_ordinal.unwrap_or(0), addr, len);
+        if !spans {
+            return Err(Error::InvalidParam(format!(
+                "[{addr:#x}, +{len}) is not inside one device allocation [{:#x}, +{})", info.range_start, info.range_size
+            )));
+        }
     }
     Ok(Some(info))
+}
+
+/// Whether `[addr, addr+len)` is covered by VMM mappings of device `ordinal` that follow
+/// each other without a gap (cuMemGetAddressRange per chunk, under the primary context).
+fn vmm_span_ok(d: &cuda::Driver, ordinal: i32, addr: u64, len: u64) -> bool {
+    let Ok(p) = cuda::Context::primary(ordinal) else { return false };
+    let end = addr.saturating_add(len);
+    let mut at = addr;
+    while at < end {
+        if !d.pointer_info(at).is_ok_and(|i| i.is_device() && i.context.is_none() && i.device_ordinal == Some(ordinal)) {
+            return false;
+        }
+        let Ok((base, size)) = d.address_range(&p, at) else { return false };
+        if size == 0 || base > at || base.saturating_add(size) <= at {
+            return false;
+        }
+        at = base + size;
+    }
+    true
 }
 
 /// The engine's device regions (for checking peers' stage requests) and the distinct

@@ -8,6 +8,7 @@ mod core;
 mod counters;
 mod direct;
 mod driver;
+mod fd_share;
 mod gpu;
 mod local_peers;
 mod ops;
@@ -249,12 +250,21 @@ impl Engine {
             return Err(Error::InvalidParam("registration wraps the address space".into()));
         }
         let info = gpu::classify(addr, len, kind == MemKind::Vram)?;
+        // VMM memory belongs to no context: it is used under its device's primary context.
+        let primary = match info {
+            Some(i) if i.context.is_none() => Some(crate::cuda::Context::primary(i.device_ordinal.unwrap_or(0))?),
+            _ => None,
+        };
         let zero_copy = self.shapes.iter().all(|s| s.hmem);
-        let dev = info.map(|i| gpu::DeviceMem {
-            ctx: i.context.expect("classify requires a context"),
-            ordinal: i.device_ordinal.unwrap_or(0),
-            staged: !zero_copy,
-        });
+        let dev = match info {
+            Some(i) => Some(gpu::DeviceMem {
+                ctx: i.context.or(primary.as_ref().map(|p| p.context()))
+                    .ok_or_else(|| Error::Backend("device memory without a context".into()))?,
+                ordinal: i.device_ordinal.unwrap_or(0),
+                staged: !zero_copy,
+            }),
+            None => None,
+        };
         let mrs = match dev {
             None => self.on_driver("registering memory", move |d| d.register(addr, len, None))??,
             Some(dm) if dm.staged => {
@@ -270,8 +280,12 @@ impl Engine {
             dev.map_or(String::new(), |d| format!(" on GPU {} ({})", d.ordinal, if d.staged { "staged" } else { "FI_HMEM" })));
         let mut m = LocalMem::new(self.core.engine_id, addr, len, kind, dev_id, self.shapes.len(), mrs,
             self.core.closeq.clone(), dev, Some(self.core.gpu.clone()));
+        m.primary = primary;
         if let (Some(i), Some(d)) = (info, dev) {
-            m.ipc = self.export_ipc(&i, &d);
+            if let Some((ipc, reg)) = self.export_ipc(&i, &d, addr, len) {
+                m.ipc = Some(ipc);
+                m.vmm_export = reg.map(|r| (self.core.fds.clone(), r));
+            }
         }
         let m = Arc::new(m);
         if let Some(d) = dev {
@@ -281,27 +295,80 @@ impl Engine {
         Ok(m)
     }
 
-    /// The IPC handle same-host peers open this device memory with, where the route is on
-    /// and the driver can export the allocation (not VMM memory).
-    fn export_ipc(&self, info: &crate::cuda::PointerInfo, dev: &gpu::DeviceMem) -> Option<wire::IpcDesc> {
+    /// How same-host peers open this device memory, where the route is on: the legacy IPC
+    /// handle of its allocation, or for VMM memory (no legacy handle) its physical chunks
+    /// handed out as POSIX fds by our fd socket (then also the id the socket knows the
+    /// registration by). None, with one INFO line saying why, where neither works.
+    fn export_ipc(&self, info: &crate::cuda::PointerInfo, dev: &gpu::DeviceMem, addr: u64, len: u64) -> Option<(wire::IpcDesc, Option<u64>)> {
         if !self.core.ipc_enabled() {
             return None;
         }
-        let d = crate::cuda::Driver::get().ok().filter(|d| d.has_ipc())?;
-        let exported = d.ipc_export(&dev.ctx, info.range_start).and_then(|h| Ok((h, d.device_uuid(dev.ordinal)?)));
-        match exported {
-            Ok((h, uuid)) => Some(wire::IpcDesc {
-                kind: wire::IPC_KIND_LEGACY,
-                device_uuid: uuid,
-                alloc_base: info.range_start,
-                alloc_len: info.range_size,
-                handle: h.0,
-            }),
+        let d = crate::cuda::Driver::get().ok()?;
+        let uuid = match d.device_uuid(dev.ordinal) {
+            Ok(u) => u,
             Err(e) => {
-                log::info!("{}: no IPC handle for GPU memory at {:#x} ({e}); same-host peers stage it through host memory", self.core.name, info.range_start);
+                log::info!("{}: GPU memory at {addr:#x} is not shared with same-host peers ({e}); they stage it through host memory", self.core.name);
+                return None;
+            }
+        };
+        // Legacy first, unless the driver says the memory cannot have such a handle.
+        let vmm_memory = info.context.is_none() || d.legacy_ipc_capable(info.range_start) == Some(false);
+        let legacy = if vmm_memory {
+            Err("VMM memory has no legacy IPC handle".to_string())
+        } else if !d.has_ipc() {
+            Err("the driver lacks the IPC entry points".to_string())
+        } else {
+            d.ipc_export(&dev.ctx, info.range_start).map_err(|e| e.to_string())
+        };
+        let legacy_err = match legacy {
+            Ok(h) => {
+                return Some((wire::IpcDesc { kind: wire::IPC_KIND_LEGACY, device_uuid: uuid, alloc_base: info.range_start,
+                    alloc_len: info.range_size, handle: h.0, vmm: None }, None));
+            }
+            Err(e) => e,
+        };
+        match self.export_vmm(d, dev, uuid, addr, len) {
+            Ok((ipc, reg)) => {
+                log::debug!("{}: GPU memory [{addr:#x}, +{len}) shared as {} VMM chunk(s) by fd socket", self.core.name,
+                    ipc.vmm.as_ref().map_or(0, |v| v.chunks.len()));
+                Some((ipc, Some(reg)))
+            }
+            Err(e) => {
+                let why = if vmm_memory { e } else { format!("{legacy_err}; as VMM memory: {e}") };
+                log::info!("{}: GPU memory at {addr:#x} cannot be shared with same-host peers ({why}); they stage it through host memory", self.core.name);
                 None
             }
         }
+    }
+
+    /// The VMM route: the chunks under the registration (each exportable as a POSIX fd),
+    /// registered with our fd socket under a fresh id.
+    fn export_vmm(&self, d: &crate::cuda::Driver, dev: &gpu::DeviceMem, uuid: [u8; 16], addr: u64, len: u64)
+        -> std::result::Result<(wire::IpcDesc, u64), String> {
+        if !d.has_vmm_export() {
+            return Err("the driver lacks the VMM export entry points".into());
+        }
+        let chunks = d.vmm_chunks(&dev.ctx, addr, len, wire::VMM_MAX_CHUNKS).map_err(|e| e.to_string())?;
+        let (Some(first), Some(last)) = (chunks.first(), chunks.last()) else { return Err("no chunk under the range".into()) };
+        let base = first.base;
+        let descs: Vec<wire::VmmChunkDesc> = chunks.iter()
+            .map(|c| wire::VmmChunkDesc { offset: c.base - base, len: c.len, granularity: c.granularity })
+            .collect();
+        if descs.iter().any(|c| !c.granularity.is_power_of_two() || c.offset % c.granularity != 0 || c.len % c.granularity != 0) {
+            return Err("a chunk is not aligned to its granularity".into());
+        }
+        let socket = self.core.fds.name(&self.core.name).map_err(|e| e.to_string())?;
+        let reg_id = random_u64();
+        self.core.fds.add(reg_id, dev.ctx, chunks.iter().map(|c| (c.base, c.len)).collect());
+        let ipc = wire::IpcDesc {
+            kind: wire::IPC_KIND_VMM_FD,
+            device_uuid: uuid,
+            alloc_base: base,
+            alloc_len: last.base + last.len - base,
+            handle: [0; wire::IPC_HANDLE_LEN],
+            vmm: Some(wire::VmmDesc { reg_id, socket, chunks: descs }),
+        };
+        Ok((ipc, reg_id))
     }
 
     pub fn public_data(&self, mem: &LocalMem) -> Result<Vec<u8>> {
@@ -676,12 +743,20 @@ impl Engine {
             }
         }
         let deadline = Instant::now() + self.core.cfg.timeout();
+        // Once finished, the driver drops its own reference within the pass that finished
+        // it: wait for that briefly (another holder, e.g. a caller's clone, ends the wait at
+        // LINGER), so the registrations the request kept alive go with this release.
+        const LINGER: Duration = Duration::from_millis(20);
+        let mut done_at: Option<Instant> = None;
         loop {
             {
                 let st = req.state();
                 let finished = !matches!(st.phase, Phase::Data | Phase::Notif);
                 if finished && st.inflight_total == 0 {
-                    return true;
+                    let since = *done_at.get_or_insert_with(Instant::now);
+                    if Arc::strong_count(req) <= 1 || since.elapsed() >= LINGER || self.shut.load(Ordering::Acquire) {
+                        return true;
+                    }
                 }
                 // A dead or forgotten peer will never complete what the provider still
                 // holds, and can no longer write into our memory: nothing to wait for.
@@ -751,6 +826,8 @@ impl Engine {
         }
         d.cancel_all();
         drop(CloseQueue::close(&self.core.closeq));
+        drop(d);
+        self.core.fds.shutdown();
         log::info!("{}: engine shut down", self.core.name);
     }
 }

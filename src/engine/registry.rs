@@ -70,6 +70,10 @@ pub struct LocalMem {
     pub dev: Option<DeviceMem>,
     /// Device memory exported for same-host peers (set once, before the registration is shared).
     pub ipc: Option<IpcDesc>,
+    /// VMM memory: the device's primary context, retained while registered (the memory
+    /// belongs to no context of its own), and where its chunks are handed out (set once).
+    pub primary: Option<crate::cuda::PrimaryContext>,
+    pub vmm_export: Option<(Arc<super::fd_share::FdServer>, u64)>,
     /// Host memory page-locked for direct GPU copies, on first such use (None inside: it
     /// could not be, e.g. it was pinned already).
     pinned: std::sync::OnceLock<Option<crate::cuda::HostRegistration>>,
@@ -85,7 +89,7 @@ impl LocalMem {
         // Staged device memory has no MRs; its key slots stay 0 so descriptors keep their shape.
         let keys = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.key).collect() };
         let descs = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.desc as usize).collect() };
-        LocalMem { engine_id, base, len, kind, dev_id, keys, descs, dev, ipc: None, pinned: std::sync::OnceLock::new(), mrs, closeq, gpu: dev.and(gpu) }
+        LocalMem { engine_id, base, len, kind, dev_id, keys, descs, dev, ipc: None, primary: None, vmm_export: None, pinned: std::sync::OnceLock::new(), mrs, closeq, gpu: dev.and(gpu) }
     }
 
     pub fn desc(&self, rail: usize) -> *mut c_void {
@@ -132,6 +136,9 @@ impl LocalMem {
 
 impl Drop for LocalMem {
     fn drop(&mut self) {
+        if let Some((srv, reg)) = &self.vmm_export {
+            srv.remove(*reg);
+        }
         if let (Some(g), Some(d)) = (&self.gpu, &self.dev) {
             g.remove(self.base, d.ctx);
         }

@@ -173,28 +173,67 @@ const MEM_FLAG_IPC: u8 = 4;
 const MEM_FLAGS_KNOWN: u8 = 1 | 2 | MEM_FLAG_IPC;
 /// Kind of handle in an [`IpcDesc`]: the driver's legacy IPC handle (cuIpcGetMemHandle).
 pub const IPC_KIND_LEGACY: u8 = 1;
+/// Kind of handle in an [`IpcDesc`]: VMM memory (cuMemCreate/cuMemMap) whose physical
+/// chunks the owner hands out as POSIX fds over a Unix socket ([`VmmDesc`]).
+pub const IPC_KIND_VMM_FD: u8 = 2;
 pub const IPC_HANDLE_LEN: usize = 64;
+/// Most physical chunks one VMM registration may span.
+pub const VMM_MAX_CHUNKS: usize = 4096;
+/// Longest socket name (an abstract Unix socket name is at most 107 bytes).
+pub const VMM_MAX_SOCKET_NAME: usize = 100;
 
 /// How a same-host peer opens the device allocation holding a registration: the device's
 /// UUID (ordinals differ between processes), the allocation's range in the owner's address
-/// space (the handle maps the whole allocation), and the handle.
+/// space (the handle maps the whole allocation), and the handle: a legacy IPC handle, or
+/// for VMM memory where to fetch each chunk's fd.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IpcDesc {
     pub kind: u8,
     pub device_uuid: [u8; 16],
     pub alloc_base: u64,
     pub alloc_len: u64,
+    /// Kind 1: the driver's handle. Kind 2: zeros (not sent).
     pub handle: [u8; IPC_HANDLE_LEN],
+    /// Kind 2 only.
+    pub vmm: Option<VmmDesc>,
+}
+
+/// VMM memory of a registration: the owner's registration id and socket name (abstract
+/// namespace) to ask for chunk fds, and the chunks mapped back to back from `alloc_base`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmmDesc {
+    pub reg_id: u64,
+    pub socket: Vec<u8>,
+    pub chunks: Vec<VmmChunkDesc>,
+}
+
+/// One physical chunk: its offset from the allocation base, length, and granularity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmmChunkDesc {
+    pub offset: u64,
+    pub len: u64,
+    pub granularity: u64,
 }
 
 impl IpcDesc {
     fn write(&self, w: &mut Writer) {
-        w.u8(self.kind).bytes(&self.device_uuid).u64(self.alloc_base).u64(self.alloc_len).bytes(&self.handle);
+        w.u8(self.kind).bytes(&self.device_uuid).u64(self.alloc_base).u64(self.alloc_len);
+        match &self.vmm {
+            Some(v) if self.kind == IPC_KIND_VMM_FD => {
+                w.u64(v.reg_id).short(&v.socket).u16(v.chunks.len() as u16);
+                for c in &v.chunks {
+                    w.u64(c.offset).u64(c.len).u64(c.granularity);
+                }
+            }
+            _ => {
+                w.bytes(&self.handle);
+            }
+        }
     }
 
     fn read(r: &mut Reader) -> Result<IpcDesc> {
         let kind = r.u8("IPC handle kind")?;
-        if kind != IPC_KIND_LEGACY {
+        if kind != IPC_KIND_LEGACY && kind != IPC_KIND_VMM_FD {
             return Err(r.err(format!("unknown IPC handle kind {kind}")));
         }
         let device_uuid: [u8; 16] = r.take(16, "device UUID")?.try_into().expect("16");
@@ -203,8 +242,42 @@ impl IpcDesc {
         if alloc_base.checked_add(alloc_len).is_none() {
             return Err(r.err("allocation base + length overflows".into()));
         }
-        let handle: [u8; IPC_HANDLE_LEN] = r.take(IPC_HANDLE_LEN, "IPC handle")?.try_into().expect("64");
-        Ok(IpcDesc { kind, device_uuid, alloc_base, alloc_len, handle })
+        if kind == IPC_KIND_LEGACY {
+            let handle: [u8; IPC_HANDLE_LEN] = r.take(IPC_HANDLE_LEN, "IPC handle")?.try_into().expect("64");
+            return Ok(IpcDesc { kind, device_uuid, alloc_base, alloc_len, handle, vmm: None });
+        }
+        let reg_id = r.u64("VMM registration id")?;
+        let socket = r.short("VMM socket name", VMM_MAX_SOCKET_NAME)?.to_vec();
+        if socket.is_empty() || !socket.iter().all(|b| b.is_ascii_graphic()) {
+            return Err(r.err("VMM socket name is empty or not printable ASCII".into()));
+        }
+        let n = r.u16("VMM chunk count")? as usize;
+        if n == 0 || n > VMM_MAX_CHUNKS {
+            return Err(r.err(format!("VMM chunk count {n} not in 1..={VMM_MAX_CHUNKS}")));
+        }
+        let mut chunks = Vec::with_capacity(n);
+        let mut next = 0u64;
+        for i in 0..n {
+            let c = VmmChunkDesc { offset: r.u64("chunk offset")?, len: r.u64("chunk length")?, granularity: r.u64("chunk granularity")? };
+            if c.offset != next || c.len == 0 || !c.granularity.is_power_of_two() || c.offset % c.granularity != 0 || c.len % c.granularity != 0 {
+                return Err(r.err(format!(
+                    "VMM chunk {i} (offset {:#x}, length {:#x}, granularity {:#x}) is not contiguous, empty or not aligned", c.offset, c.len, c.granularity
+                )));
+            }
+            next = c.offset.checked_add(c.len).ok_or_else(|| r.err("VMM chunks overflow".into()))?;
+            chunks.push(c);
+        }
+        if next != alloc_len {
+            return Err(r.err(format!("VMM chunks cover {next:#x} bytes, the allocation {alloc_len:#x}")));
+        }
+        Ok(IpcDesc { kind, device_uuid, alloc_base, alloc_len, handle: [0; IPC_HANDLE_LEN], vmm: Some(VmmDesc { reg_id, socket, chunks }) })
+    }
+
+    /// Bytes of the encoded block.
+    pub fn encoded_len(&self) -> usize {
+        let mut w = Writer::default();
+        self.write(&mut w);
+        w.0.len()
     }
 
     /// Whether [addr, addr+len) lies inside the allocation.
@@ -527,7 +600,7 @@ mod tests {
 
     #[test]
     fn mem_ipc_block_round_trip_and_checks() {
-        let ipc = IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: [7; 16], alloc_base: 4096, alloc_len: 8192, handle: [9; IPC_HANDLE_LEN] };
+        let ipc = IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: [7; 16], alloc_base: 4096, alloc_len: 8192, handle: [9; IPC_HANDLE_LEN], vmm: None };
         let m = MemDesc { mem_type: 1, virt_addr: true, staged: true, engine_id: 1, base: 8192, len: 4096, dev_id: 0, keys: vec![0], ipc: Some(ipc.clone()) };
         let b = m.encode();
         assert_eq!(MemDesc::decode(&b).unwrap(), m);
@@ -538,7 +611,7 @@ mod tests {
         for bad in [
             MemDesc { len: 4097, ..m.clone() },
             MemDesc { mem_type: 0, ..m.clone() },
-            MemDesc { ipc: Some(IpcDesc { kind: 2, ..ipc.clone() }), ..m.clone() },
+            MemDesc { ipc: Some(IpcDesc { kind: 3, ..ipc.clone() }), ..m.clone() },
             MemDesc { ipc: Some(IpcDesc { alloc_len: u64::MAX, ..ipc.clone() }), ..m.clone() },
         ] {
             assert!(MemDesc::decode(&bad.encode()).is_err(), "{bad:?}");
@@ -548,9 +621,64 @@ mod tests {
         assert!(MemDesc::decode(&unknown).is_err());
     }
 
+    fn vmm_ipc(chunks: &[(u64, u64, u64)]) -> IpcDesc {
+        let chunks: Vec<VmmChunkDesc> = chunks.iter().map(|&(offset, len, granularity)| VmmChunkDesc { offset, len, granularity }).collect();
+        let alloc_len = chunks.iter().map(|c| c.len).sum();
+        IpcDesc {
+            kind: IPC_KIND_VMM_FD,
+            device_uuid: [5; 16],
+            alloc_base: 1 << 30,
+            alloc_len,
+            handle: [0; IPC_HANDLE_LEN],
+            vmm: Some(VmmDesc { reg_id: 77, socket: b"nixl-fabric-fd-1234-abcd".to_vec(), chunks }),
+        }
+    }
+
+    #[test]
+    fn mem_vmm_block_round_trip_and_checks() {
+        let g = 2 << 20;
+        let ipc = vmm_ipc(&[(0, g, g), (g, 2 * g, g), (3 * g, g, g)]);
+        let m = MemDesc { mem_type: 1, virt_addr: true, staged: true, engine_id: 1, base: (1 << 30) + 4096, len: 3 * g, dev_id: 0, keys: vec![0], ipc: Some(ipc.clone()) };
+        let b = m.encode();
+        assert_eq!(MemDesc::decode(&b).unwrap(), m);
+        assert_eq!(ipc.encoded_len(), 1 + 16 + 8 + 8 + 8 + 2 + 24 + 2 + 3 * 24);
+        for n in 0..b.len() {
+            assert!(MemDesc::decode(&b[..n]).is_err(), "truncated at {n}");
+        }
+        let with = |f: &dyn Fn(&mut VmmDesc)| {
+            let mut i = ipc.clone();
+            f(i.vmm.as_mut().unwrap());
+            MemDesc { ipc: Some(i), ..m.clone() }
+        };
+        for bad in [
+            with(&|v| v.chunks[1].offset += 4096),              // a gap
+            with(&|v| v.chunks[2].len = 0),                     // empty chunk
+            with(&|v| v.chunks[0].granularity = 3 << 20),       // not a power of two
+            with(&|v| v.chunks[1].granularity = 4 << 20),       // offset not aligned to it
+            with(&|v| v.chunks.truncate(2)),                    // do not cover the allocation
+            with(&|v| v.socket.clear()),
+            with(&|v| v.socket = b"bad name".to_vec()),
+            with(&|v| v.socket = vec![b'a'; VMM_MAX_SOCKET_NAME + 1]),
+            with(&|v| v.chunks.clear()),
+            MemDesc { len: 4 * g, ..m.clone() },                // registration leaves the range
+        ] {
+            assert!(matches!(MemDesc::decode(&bad.encode()), Err(Error::Malformed { .. })), "{bad:?}");
+        }
+        // Too many chunks (the count is checked before the chunks are read).
+        let many: Vec<(u64, u64, u64)> = (0..VMM_MAX_CHUNKS as u64 + 1).map(|i| (i * 4096, 4096, 4096)).collect();
+        let big = MemDesc { base: 1 << 30, len: 4096, ipc: Some(vmm_ipc(&many)), ..m.clone() };
+        assert!(MemDesc::decode(&big.encode()).is_err());
+        let most: Vec<(u64, u64, u64)> = (0..VMM_MAX_CHUNKS as u64).map(|i| (i * 4096, 4096, 4096)).collect();
+        let ok = MemDesc { base: 1 << 30, len: 4096, ipc: Some(vmm_ipc(&most)), ..m.clone() };
+        assert_eq!(MemDesc::decode(&ok.encode()).unwrap(), ok);
+        // In a copy request too.
+        let c = CopyReq { token: 1, to_receiver: false, ipc: ipc.clone(), ranges: vec![((1 << 30) + 8, 99, 64)] };
+        assert_eq!(CopyReq::decode(&c.encode()).unwrap(), c);
+    }
+
     #[test]
     fn copy_request_round_trip_and_checks() {
-        let ipc = IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: [1; 16], alloc_base: 1 << 20, alloc_len: 1 << 20, handle: [3; IPC_HANDLE_LEN] };
+        let ipc = IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: [1; 16], alloc_base: 1 << 20, alloc_len: 1 << 20, handle: [3; IPC_HANDLE_LEN], vmm: None };
         let c = CopyReq { token: 5, to_receiver: true, ipc: ipc.clone(), ranges: vec![(1 << 20, 77, 4096), ((2 << 20) - 1, 9, 1)] };
         let b = c.encode();
         assert_eq!(CopyReq::decode(&b).unwrap(), c);

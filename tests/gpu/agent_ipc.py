@@ -3,7 +3,7 @@
 
     agent_ipc.py --backend LIBFABRIC|UCX [--quick] [--json OUT] [--dram-only] [--pinned-dram]
                  [--module nixl_cu13|nixl_cu12] [--post-ctx none|primary] [--only SUBSTR,..]
-                 [--one-process]
+                 [--one-process] [--vmm]
     agent_ipc.py --ucx-protos LOG                 (which UCX transport each put/get used)
     agent_ipc.py --compare OURS.json UCX.json     (prints the side-by-side table)
 
@@ -27,6 +27,11 @@ notification arrives (WRITE: the data must already be there). Every byte of the 
 for being unchanged. Then a handle without notification (initialize_xfer once) is transferred
 repeatedly in timed batches (median GB/s), and the destination is checked again.
 Baselines without NIXL (plain ctypes): DtoD, pinned HtoD/DtoH, pageable HtoD/DtoH, 64 MiB.
+
+With --vmm the target allocates its VRAM with the VMM API instead (cuMemCreate with the POSIX
+fd handle type, 4 physical chunks of a multiple of the granularity mapped back to back into one
+cuMemAddressReserve range, cuMemSetAccess read-write): PyTorch's expandable segments. Our
+plugin then shares it through fds passed over a Unix socket (no legacy IPC handle exists).
 
 With --one-process the target runs in a thread of this process instead (two agents in one
 process, the same cases, checks and timing; the socketpair still carries the commands).
@@ -152,6 +157,53 @@ class Cuda:
     def free(self, addr):
         self.lib.cuMemFree_v2(addr)
 
+    def alloc_vmm(self, n):
+        """n bytes (rounded up) of VMM memory the way PyTorch's expandable segments grow: one
+        reserved range with several physical chunks (cuMemCreate, POSIX-fd exportable, of a
+        multiple of the device's granularity) mapped back to back, read-write for device 0.
+        Returns (address, state for free_vmm)."""
+        L, S, U64, I, P = self.lib, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p
+        for name, args in {
+            "cuMemGetAllocationGranularity": [ctypes.POINTER(S), P, I],
+            "cuMemCreate": [ctypes.POINTER(U64), S, P, U64],
+            "cuMemAddressReserve": [ctypes.POINTER(U64), S, S, U64, U64],
+            "cuMemMap": [U64, S, S, U64, U64],
+            "cuMemSetAccess": [U64, S, P, S],
+            "cuMemUnmap": [U64, S],
+            "cuMemRelease": [U64],
+            "cuMemAddressFree": [U64, S],
+        }.items():
+            f = getattr(L, name)
+            f.argtypes, f.restype = args, I
+        prop = VmmProp(type=1, requested_handle_types=1, loc_type=1, loc_id=self.dev.value)  # PINNED, POSIX fd, device
+        g = S()
+        self.ck(L.cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(prop), 0), "cuMemGetAllocationGranularity")
+        g = g.value
+        per = -(-n // VMM_CHUNKS)                   # ceil(n / VMM_CHUNKS)
+        chunk = max(g, -(-per // g) * g)           # rounded up to the granularity
+        count = -(-n // chunk)
+        span = chunk * count
+        base = U64()
+        self.ck(L.cuMemAddressReserve(ctypes.byref(base), span, g, 0, 0), "cuMemAddressReserve")
+        handles = []
+        for i in range(count):
+            h = U64()
+            self.ck(L.cuMemCreate(ctypes.byref(h), chunk, ctypes.byref(prop), 0), "cuMemCreate")
+            handles.append(h.value)
+            self.ck(L.cuMemMap(base.value + i * chunk, chunk, 0, h.value, 0), "cuMemMap")
+        acc = VmmAccess(loc_type=1, loc_id=self.dev.value, flags=3)       # read-write
+        self.ck(L.cuMemSetAccess(base.value, span, ctypes.byref(acc), 1), "cuMemSetAccess")
+        print(f"harness: target VRAM is VMM memory: {count} chunks of {chunk >> 20} MiB (granularity {g >> 10} KiB) "
+              f"at {base.value:#x}", flush=True)
+        return base.value, (span, chunk, handles)
+
+    def free_vmm(self, addr, state):
+        span, chunk, handles = state
+        for i, h in enumerate(handles):
+            self.lib.cuMemUnmap(addr + i * chunk, chunk)
+            self.lib.cuMemRelease(h)
+        self.lib.cuMemAddressFree(addr, span)
+
     def htod(self, dst, host, n):
         self.ck(self.lib.cuMemcpyHtoD_v2(dst, host, n), "cuMemcpyHtoD")
 
@@ -160,6 +212,19 @@ class Cuda:
 
 
 CU: Cuda | None = None
+VMM_VRAM = False      # --vmm: the target's VRAM is VMM memory (set in the target process)
+VMM_CHUNKS = 4
+
+
+class VmmProp(ctypes.Structure):
+    """CUmemAllocationProp (LP64, 32 bytes)."""
+    _fields_ = [("type", ctypes.c_int), ("requested_handle_types", ctypes.c_int), ("loc_type", ctypes.c_int),
+                ("loc_id", ctypes.c_int), ("win32", ctypes.c_void_p), ("alloc_flags", ctypes.c_uint8 * 8)]
+
+
+class VmmAccess(ctypes.Structure):
+    """CUmemAccessDesc (12 bytes)."""
+    _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
 
 
 class with_primary:
@@ -182,7 +247,11 @@ class Buf:
 
     def __init__(self, kind, n):
         self.kind, self.n, self.pinned = kind, n, False
-        if kind == "VRAM":
+        self.vmm = None
+        if kind == "VRAM" and VMM_VRAM:
+            with with_primary():
+                self.addr, self.vmm = CU.alloc_vmm(n)
+        elif kind == "VRAM":
             self.addr = CU.alloc(n)
         elif PINNED_DRAM:
             hp = ctypes.c_void_p()
@@ -210,7 +279,10 @@ class Buf:
         return out
 
     def free(self):
-        if self.kind == "VRAM":
+        if self.vmm is not None:
+            with with_primary():
+                CU.free_vmm(self.addr, self.vmm)
+        elif self.kind == "VRAM":
             CU.free(self.addr)
         elif self.pinned:
             self.host = None
@@ -411,7 +483,8 @@ class ThreadProc:
 
 
 def target_main(args):
-    global CU
+    global CU, VMM_VRAM
+    VMM_VRAM = bool(getattr(args, "vmm", False))
     sock = socket.socket(fileno=args.fd)
     ch = Chan(sock)
     if not args.dram_only:
@@ -709,9 +782,11 @@ def initiator_main(opts):
         cmd.append("--dram-only")
     if opts.pinned_dram:
         cmd.append("--pinned-dram")
+    if opts.vmm:
+        cmd.append("--vmm")
     if opts.one_process:
         targs = argparse.Namespace(fd=child.detach(), name=tname, backend=opts.backend, module=module,
-                                   dram_only=opts.dram_only, pinned_dram=opts.pinned_dram, in_thread=True)
+                                   dram_only=opts.dram_only, pinned_dram=opts.pinned_dram, vmm=opts.vmm, in_thread=True)
         th = threading.Thread(target=target_main, args=(targs,), name="target", daemon=True)
         th.start()
         proc = ThreadProc(th)
@@ -919,6 +994,8 @@ def main():
     ap.add_argument("--post-ctx", choices=("none", "primary"), default="none",
                     help="context current on the posting thread (default none, as the issue asks)")
     ap.add_argument("--only", help="comma-separated substrings of case names to run")
+    ap.add_argument("--vmm", action="store_true",
+                    help="the target allocates its VRAM with the VMM API (POSIX-fd exportable chunks in one reserved range)")
     ap.add_argument("--one-process", action="store_true", help="the target is a thread of this process (two agents in one process)")
     ap.add_argument("--compare", nargs=2, metavar=("OURS", "UCX"), help="print the comparison table and exit")
     ap.add_argument("--ucx-protos", metavar="LOG", help="summarise UCX_PROTO_INFO tables of a log and exit")

@@ -2,10 +2,12 @@
 # Runs on the GPU host, from the bundle that `make gpu-bundle` packed (.gpu/). Prints every
 # suite's pass counts and the numbers for the closing note; exits non-zero on a failure.
 #   RUN_GPU_ONLY=ipc bash .gpu/run-gpu.sh     only the listed sections (comma-separated:
-#                                             unit, harness, agent, ipc, lf2); the host line
+#                                             unit, harness, agent, ipc, vmm, lf2); the host line
 #                                             is always printed. With only ipc, agent_ipc.py
 #                                             runs --quick unless IPC_ARGS says otherwise.
 #   IPC_ARGS="--quick --only 64MiB"           extra arguments for agent_ipc.py
+#   VMM_ARGS="--only VRAM->VRAM"              arguments for the vmm section's agent_ipc.py --vmm
+#                                             runs (default --quick)
 # Results of the ipc section (JSON and logs) go to $OUT when it is set, else to the bundle.
 set -u
 B=$(cd "$(dirname "$0")" && pwd)
@@ -112,6 +114,31 @@ if want ipc; then
   python3 "$B/agent_ipc.py" --compare "$R/ipc_ours_1p.json" "$R/ipc_ucx_1p.json" | grep -vE "^(baselines|case X)"
   if [ -n "${OUT:-}" ]; then
     for f in ipc_ours ipc_ucx ipc_ucx_primary ipc_ours_pinned ipc_ours_1p ipc_ucx_1p; do
+      [ -f "$B/$f.log" ] && grep -v "NIXL INFO" "$B/$f.log" | tail -c 4000000 > "$OUT/$f.log"
+    done
+  fi
+fi
+if want vmm; then
+  # The target's VRAM is VMM memory (cuMemCreate chunks in one reserved range, like PyTorch's
+  # expandable segments): no legacy IPC handle; ours passes the chunks' fds over a Unix socket.
+  section "two processes, target VRAM from the VMM API (agent_ipc.py --vmm): ours vs UCX"
+  nixl_runtime
+  R=${OUT:-$B}; mkdir -p "$R"
+  VA=${VMM_ARGS---quick}
+  T=150
+  export AGENT_IPC_TOTAL_S=$((T - 20))
+  NIXL_FABRIC_LOG=info NIXL_FABRIC_SAME_HOST_SHM=true NIXL_PLUGIN_DIR=$B/plugins timeout $T python3 "$B/agent_ipc.py" \
+    --backend LIBFABRIC --vmm $VA --json "$R/ipc_vmm_ours.json" > "$B/ipc_vmm_ours.log" 2>&1 || rc=1
+  grep -E "^(LIBFABRIC|harness)" "$B/ipc_vmm_ours.log"
+  [ -s "$R/ipc_vmm_ours.json" ] || { echo "-- no JSON from ours; log tail:"; grep -v "NIXL INFO" "$B/ipc_vmm_ours.log" | tail -30; }
+  echo "-- fallbacks of the VMM route (none expected; each would say why):"
+  grep -E "cannot be (opened|shared)|staged through host memory" "$B/ipc_vmm_ours.log" | sed 's/^.*\] //' | sort | uniq -c | head -10
+  env -u NIXL_PLUGIN_DIR UCX_MODULES='^ib' timeout $T python3 "$B/agent_ipc.py" \
+    --backend UCX --post-ctx primary --vmm $VA --json "$R/ipc_vmm_ucx.json" > "$B/ipc_vmm_ucx.log" 2>&1
+  grep -E "^(UCX |harness)" "$B/ipc_vmm_ucx.log"
+  [ -s "$R/ipc_vmm_ours.json" ] && [ -s "$R/ipc_vmm_ucx.json" ] && python3 "$B/agent_ipc.py" --compare "$R/ipc_vmm_ours.json" "$R/ipc_vmm_ucx.json"
+  if [ -n "${OUT:-}" ]; then
+    for f in ipc_vmm_ours ipc_vmm_ucx; do
       [ -f "$B/$f.log" ] && grep -v "NIXL INFO" "$B/$f.log" | tail -c 4000000 > "$OUT/$f.log"
     done
   fi
