@@ -73,7 +73,8 @@ import numpy as np
 KiB, MiB = 1 << 10, 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-IN_REPO = os.path.isfile(os.path.join(ROOT, "Cargo.toml"))  # else: run from the GPU bundle
+# bench/bench.py of a checkout, else the copy in the GPU bundle (.gpu/bench.py)
+IN_REPO = os.path.basename(HERE) == "bench" and os.path.isfile(os.path.join(ROOT, "Cargo.toml"))
 SPAN = 64 * MiB                      # registered buffer per side (largest point)
 SINGLE = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
 KV = [(4096, 4 * KiB), (1024, 16 * KiB), (256, 256 * KiB)]
@@ -147,6 +148,9 @@ CONFIGS = {
     "ucx-tcp": {"backend": "UCX", "kind": "stock", "limit": "tcp:1",
                 "env": {"NIXL_PLUGIN_DIR": None, "UCX_LOG_LEVEL": "info",
                         "UCX_TLS": "tcp,self"},
+                # tried in turn when the backend cannot be created (a CUDA build of UCX may
+                # want its memory-type transport; neither moves host memory between processes)
+                "alternatives": [{"UCX_TLS": "tcp,self,cuda_copy"}, {"UCX_TLS": "tcp"}],
                 "title": "UCX tcp", "short": "UCXt"},
     "ucx-1p": {"backend": "UCX", "kind": "stock", "limit": "memcpy", "one_process": True,
                "env": {"NIXL_PLUGIN_DIR": None, "UCX_LOG_LEVEL": "info"},
@@ -862,10 +866,11 @@ def describe_path(entries):
     return "; ".join(parts)
 
 
-def config_env(label, plugdir):
+def config_env(label, plugdir, alt=None):
     c = CONFIGS[label]
     env = base_env()
     changes = {k: (plugdir if v == "@plugins" else v) for k, v in c["env"].items()}
+    changes.update(alt or {})
     if c["kind"] == "ours":
         changes["NIXL_FABRIC_LOG"] = "info"   # connect lines: which same-host path was taken
     for k, v in changes.items():
@@ -886,6 +891,14 @@ def run_config(label, profile, policy, logdir, plugdir, timeout):
            "one_process": bool(c.get("one_process")), "points": {},
            "loadavg_before": os.getloadavg()}
     why = probe(label, env, logdir, timeout=min(120, max(10, timeout)))
+    for alt in c.get("alternatives", []) if why else []:
+        log(f"{TITLES[label]}: {why}; trying {alt}")
+        res.setdefault("probe_failures", []).append({"env": changes, "error": why})
+        env, changes = config_env(label, plugdir, alt)
+        res["env"] = changes
+        why = probe(label, env, logdir, timeout=min(120, max(10, timeout)))
+        if not why:
+            break
     if why:
         res["error"] = why
         return res
@@ -1031,7 +1044,8 @@ def print_table(report):
         vals = {c: cfgs[c]["cpu"][field] for c in loaded if "cpu" in cfgs[c]}
         ok = all(cfgs[c]["cpu"]["verified"] for c in vals)
         rows(what, vals, lambda v: f"{v:.0f}", check="  ok" if ok else "  WRONG")
-    lines += rlines
+    if ratios:
+        lines += rlines
     lines.append("")
     lines.append("columns: " + ", ".join(f"{SHORT[c]} = {TITLES[c]}" for c in cfgs)
                  + ". post 4096 rows: transfer() alone on the prepared WRITE 4096 x 4 KiB handle "
@@ -1043,7 +1057,8 @@ def print_table(report):
         lines.append(f"kernel.yama.ptrace_scope: {report['ptrace_scope']}")
     for c, r in cfgs.items():
         if r.get("ucx_transports"):
-            lines.append(f"{TITLES[c]} transports: {r['ucx_transports']}")
+            tls = (r.get("env") or {}).get("UCX_TLS") or "default"
+            lines.append(f"{TITLES[c]} transports (UCX_TLS={tls}): {r['ucx_transports']}")
     for c, r in cfgs.items():
         if r.get("error"):
             lines.append(f"{TITLES[c]}: {r['error']}")
@@ -1177,7 +1192,10 @@ def orchestrate(a):
     logdir = a.logdir or (os.path.join(ROOT, "build", "bench") if IN_REPO
                           else os.path.join(a.out, "logs"))
     os.makedirs(logdir, exist_ok=True)
-    plugin, plugdir = private_plugin(a.plugin, logdir)
+    # the private copy of the plugin: beside the logs in a checkout; elsewhere (GPU bundle,
+    # logs under $OUT) in /tmp, so that it does not travel back with the results
+    plugin, plugdir = private_plugin(a.plugin, logdir if IN_REPO else os.path.join(
+        "/tmp", f"nixl-bench-{os.getuid()}"))
     module = pick_module(a.module)
     os.environ["NIXL_PY_MODULE"] = module   # every child uses the same module
     t0 = time.time()
@@ -1246,6 +1264,16 @@ def orchestrate(a):
     except Exception as e:  # noqa: BLE001 - the JSON is written; a plot bug must not fail the run
         log(f"plot failed: {type(e).__name__}: {e}")
         made = False
+    if not made and os.environ.get("PYTHONPATH"):
+        # The GPU host's system matplotlib may be built against the system numpy, not the
+        # bundle's (PYTHONPATH): plot from the JSON in a process without PYTHONPATH.
+        env = dict(os.environ)
+        env.pop("PYTHONPATH")
+        try:
+            made = subprocess.run([sys.executable, os.path.abspath(__file__), "--plot", out_json,
+                                   "--out", png], env=env, timeout=120).returncode == 0
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log(f"plot without PYTHONPATH failed: {e}")
     print(f"\nwrote {out_json}" + (f" and {png}" if made else "") + f" in {report['seconds']} s; "
           f"logs in {logdir}")
     failed = []
@@ -1289,6 +1317,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds for the whole run (configurations past it are skipped)")
     ap.add_argument("--no-streams", action="store_true", help="no parallel-stream TCP baselines")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG (--out FILE) of a report")
     ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--bytes", type=int, default=SPAN, help=argparse.SUPPRESS)
@@ -1299,6 +1328,9 @@ def main():
     if not a.profile:
         a.profile = "quick" if a.quick else "gpu-host" if a.gpu_host else "full"
     policy = PROFILES[a.profile]
+    if a.plot:
+        png = a.out if a.out.endswith(".png") else os.path.splitext(a.plot)[0] + ".png"
+        return 0 if plot(json.load(open(a.plot)), png) else 1
     if a.role == "initiator":
         return role_initiator(a.backend, policy, a.one_process)
     if a.role == "target":
