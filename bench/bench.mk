@@ -7,6 +7,9 @@
 #   make bench                                      full run (a few minutes on 2 cores)
 #   make bench BENCH_ARGS=--quick                   smoke run, few iterations
 #   make bench BENCH_ARGS='--configs ours-tcp,ucx'  a subset
+#   make bench BENCH_ARGS='--quick --configs dram'  the GPU host's DRAM set: ours tcp with rails
+#       1/2/4/8, default and one-process against UCX tcp-only, default and one-process, raw TCP
+#       over 1/2/4/8 streams (ratio table). On the GPU host: RUN_GPU_ONLY=dram bash .gpu/run-gpu.sh
 # Logs of every process: build/bench/<config>.log (probe: <config>.probe.log).
 BENCH_ARGS    ?=
 BENCH_TIMEOUT ?= 1200

@@ -1,23 +1,36 @@
 #!/usr/bin/env python3
 """make bench: nixl-fabric next to stock UCX and the stock LIBFABRIC plugin, all driven by the
-stock NIXL agent (nixl-cu12, Python API) in two processes on this machine.
+stock NIXL agent (Python API of nixl-cu12 here, nixl-cu13 on the GPU host: the first of
+$NIXL_PY_MODULE / --module, nixl_cu13, nixl_cu12 that imports) in two processes on one host.
 
-    bench.py [--out DIR] [--quick] [--plugin SO]
-             [--configs ours-tcp,ours-shm,ours-tcp-default,ucx,stock-libfabric]
+    bench.py [--out DIR] [--logdir DIR] [--quick | --gpu-host] [--plugin SO] [--module M]
+             [--budget SECONDS] [--configs LABEL,...|default|dram|all]
 
-Configurations (CONFIGS below): ours-tcp = provider tcp with the same-host shm rail off (data
-really over tcp on lo); ours-shm = provider shm; ours-tcp-default = provider tcp as shipped
-(peers on this host go over the extra shm rail); ucx = the wheel's UCX; stock-libfabric = the
-wheel's LIBFABRIC plugin (NIXL_PLUGIN_DIR unset).
+Configurations (CONFIGS below; `--configs default` is what `make bench` runs, `dram` is the
+GPU host's DRAM set, `all` everything):
+  ours-tcp            provider tcp on lo, one rail, same-host shm rail off (data really over tcp)
+  ours-tcp-r2/r4/r8   the same with backend parameter rails=2/4/8 (striped over 2-8 endpoints)
+  ours-shm            provider shm
+  ours-tcp-default    provider tcp as shipped: same-host peers go over the extra shm rail
+  ours-1p             ours-tcp-default with both agents in ONE process (direct copies)
+  ucx                 the wheel's UCX as shipped (UCX_NET_DEVICES=lo)
+  ucx-tcp             UCX with UCX_TLS=tcp,self (no shared-memory transport: the tcp anchor)
+  ucx-1p              ucx with both agents in one process
+  stock-libfabric     the wheel's LIBFABRIC plugin (NIXL_PLUGIN_DIR unset)
+Our configurations run with NIXL_FABRIC_LOG=info; the connect lines of the per-process logs
+say which same-host path was taken (shm rail or tcp rails, CMA reachable or not, direct copies
+in one process) and are reported per configuration.
 
 The orchestrator (this process, no NIXL agent) measures the baselines (single-thread memcpy,
-raw loopback TCP between two processes), then for each backend configuration
+raw loopback TCP between two processes with 1 stream, and with 1/2/4/8 parallel streams, one
+sender and one receiver process per stream), then for each backend configuration
   1. probes in a throw-away process whether the backend can be created (NIXL_LOG_LEVEL=DEBUG,
      so a plugin that fails to load leaves its dlopen error in the log), and
-  2. starts an initiator process, which starts its target process. The target sends its
-     metadata and buffer address over its stdout pipe; afterwards the pipe pair (initiator ->
-     target stdin, target stdout -> initiator) carries ZERO/FILL/CRC/QUIT commands, so the
-     control path never goes through the backend being measured.
+  2. starts an initiator process, which starts its target process (or, one-process
+     configurations, a target thread). The target sends its metadata and buffer address over
+     its stdout pipe; afterwards the pipe pair (initiator -> target stdin, target stdout ->
+     initiator) carries ZERO/FILL/CRC/QUIT commands, so the control path never goes through
+     the backend being measured.
 Each backend gets its own processes: NIXL_PLUGIN_DIR is read once per process.
 
 Every bandwidth point: prepare one handle (local block i -> remote block blocks-1-i, so a
@@ -30,10 +43,12 @@ The 8-byte latency point times single posts (post -> DONE, ~2000 of them; median
 CPU point times transfer() alone on the prepared WRITE 4096 x 4 KiB handle (calling thread's
 CPU time and wall time, median, per descriptor). Every point is bounded in posts and seconds
 (POLICY) so a pathological backend cannot stretch the run; such points are marked "*".
+--budget bounds the whole run: a configuration that would start too late is skipped, and
+each one is killed (its finished points kept) when the budget runs out.
 
-Prints a table, writes DIR/<YYYY-MM-DD>.json and DIR/<YYYY-MM-DD>.png (if matplotlib is
-there). Exit status 1 if a loaded backend returned wrong bytes or one of our configurations
-failed; a stock backend that cannot be loaded is reported, not failed.
+Prints a table of GB/s and one of ratios, writes DIR/<YYYY-MM-DD>.json and .png (if
+matplotlib is there). Exit status 1 if a loaded backend returned wrong bytes or one of our
+configurations failed; a stock backend that cannot be loaded is reported, not failed.
 """
 from __future__ import annotations
 
@@ -49,6 +64,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 
@@ -57,51 +73,109 @@ import numpy as np
 KiB, MiB = 1 << 10, 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# bench/bench.py of a checkout, else the copy in the GPU bundle (.gpu/bench.py)
+IN_REPO = os.path.basename(HERE) == "bench" and os.path.isfile(os.path.join(ROOT, "Cargo.toml"))
 SPAN = 64 * MiB                      # registered buffer per side (largest point)
 SINGLE = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
 KV = [(4096, 4 * KiB), (1024, 16 * KiB), (256, 256 * KiB)]
 OPS = ["WRITE", "READ"]
 CPU_BLOCKS = 4096                    # transfer() CPU time is measured on WRITE 4096 x 4 KiB
 XFER_TIMEOUT_S = 30.0                # one post that takes longer than this aborts the config
-CONFIG_TIMEOUT_S = 300
+STREAMS = [1, 2, 4, 8]               # raw TCP baselines with this many parallel streams
 
-# Iteration policy (scaled down by --quick): enough posts per point for a median, bounded in
-# bytes and in seconds so a slow backend cannot stretch the run.
-IDLE_S = 10.0  # idle-CPU measurement of one engine (issue: "measure idle CPU for 10 s")
+# Iteration policy per profile: enough posts per point for a median, bounded in bytes and in
+# seconds so a slow backend cannot stretch the run. idle_s: idle-CPU measurement of one engine
+# (issue: "measure idle CPU for 10 s"); config_s: bound on one configuration's processes.
 POLICY = {"byte_budget": 256 * MiB, "min_iters": 5, "max_iters": 100, "max_point_s": 3.0,
           "warmup": 2, "lat_iters": 2000, "lat_warmup": 100,
-          "memcpy_runs": 10, "tcp_runs": 5}
+          "memcpy_runs": 10, "tcp_runs": 5, "idle_s": 10.0, "config_s": 300}
 QUICK = {"byte_budget": 32 * MiB, "min_iters": 3, "max_iters": 20, "max_point_s": 1.0,
          "warmup": 1, "lat_iters": 300, "lat_warmup": 20,
-         "memcpy_runs": 4, "tcp_runs": 2}
+         "memcpy_runs": 4, "tcp_runs": 2, "idle_s": 3.0, "config_s": 150}
+# The GPU host (16 cores): every point of every DRAM configuration within ~7 minutes.
+GPUHOST = {"byte_budget": 128 * MiB, "min_iters": 5, "max_iters": 50, "max_point_s": 1.0,
+           "warmup": 2, "lat_iters": 1000, "lat_warmup": 50,
+           "memcpy_runs": 10, "tcp_runs": 5, "idle_s": 3.0, "config_s": 90}
+PROFILES = {"full": POLICY, "quick": QUICK, "gpu-host": GPUHOST}
+IDLE_S = POLICY["idle_s"]
 
-# label, backend name, environment changes, physical limit used for its fractions.
-# "@plugins" is replaced by the private copy of our plugin (see private_plugin).
+
+def ours_tcp(rails):
+    # Data over tcp;ofi_rxm on lo: the same-host shm rail (on by default) is switched off, else
+    # a peer on this host would be served by shm and this would not measure tcp. Rails are a
+    # backend parameter (createBackend's map), iface and provider too.
+    return {"backend": "LIBFABRIC", "kind": "ours", "limit": f"tcp:{rails}", "rails": rails,
+            "env": {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "tcp",
+                    "NIXL_FABRIC_SAME_HOST_SHM": "false"},
+            "params": {"provider": "tcp", "iface": "lo", "same_host_shm": "false",
+                       "rails": str(rails)},
+            "title": "nf tcp" + (f" r{rails}" if rails > 1 else ""),
+            "short": "tcp" if rails == 1 else f"r{rails}"}
+
+
+# backend; kind (ours/stock); environment changes ("@plugins": the private copy of our plugin,
+# None: unset); backend parameters; physical limit for its fractions ("memcpy", "tcp:N" = raw
+# TCP with N streams); one_process: both agents in one process.
 CONFIGS = {
-    # Data over tcp;ofi_rxm on lo: the same-host shm rail (on by default) is switched off,
-    # else a peer on this host would be served by shm and this would not measure tcp.
-    "ours-tcp": ("LIBFABRIC", {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "tcp",
-                               "NIXL_FABRIC_SAME_HOST_SHM": "false"}, "tcp"),
+    "ours-tcp": ours_tcp(1),
+    "ours-tcp-r2": ours_tcp(2),
+    "ours-tcp-r4": ours_tcp(4),
+    "ours-tcp-r8": ours_tcp(8),
     # shm is not a network provider: iface=lo names no shm domain and backend creation fails
     # ("provider shm has no domain matching iface 'lo'"), so the iface is left unset here.
-    "ours-shm": ("LIBFABRIC", {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "shm",
-                               "NIXL_FABRIC_IFACE": None}, "memcpy"),
+    "ours-shm": {"backend": "LIBFABRIC", "kind": "ours", "limit": "memcpy",
+                 "env": {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "shm",
+                         "NIXL_FABRIC_IFACE": None},
+                 "title": "nf shm", "short": "shm"},
     # What a user gets with provider tcp: same-host peers go over the extra shm rail.
-    "ours-tcp-default": ("LIBFABRIC", {"NIXL_PLUGIN_DIR": "@plugins",
-                                       "NIXL_FABRIC_PROVIDER": "tcp",
-                                       "NIXL_FABRIC_SAME_HOST_SHM": None}, "memcpy"),
+    "ours-tcp-default": {"backend": "LIBFABRIC", "kind": "ours", "limit": "memcpy",
+                         "env": {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "tcp",
+                                 "NIXL_FABRIC_SAME_HOST_SHM": None},
+                         "title": "nf default", "short": "dflt"},
+    # The same with both agents in one process (engines of one process copy directly).
+    "ours-1p": {"backend": "LIBFABRIC", "kind": "ours", "limit": "memcpy", "one_process": True,
+                "env": {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "tcp",
+                        "NIXL_FABRIC_SAME_HOST_SHM": None},
+                "title": "nf dflt 1proc", "short": "1p"},
     # UCX_LOG_LEVEL=info makes UCX log the transports it picked (reported).
-    "ucx": ("UCX", {"NIXL_PLUGIN_DIR": None, "UCX_LOG_LEVEL": "info"}, "memcpy"),
+    "ucx": {"backend": "UCX", "kind": "stock", "limit": "memcpy",
+            "env": {"NIXL_PLUGIN_DIR": None, "UCX_LOG_LEVEL": "info"},
+            "title": "stock UCX", "short": "UCX"},
+    # The tcp anchor: no shared-memory transport (cma, sysv, posix), so UCX moves the data
+    # over tcp/lo like ours-tcp. self is UCX's loopback for a worker's own endpoint and
+    # carries nothing between the two agents; with UCX_NET_DEVICES=lo and UCX_MODULES=^ib
+    # UCX_TLS=tcp alone also created and transferred here (nixl-cu12 1.5.1, UCX 1.23).
+    "ucx-tcp": {"backend": "UCX", "kind": "stock", "limit": "tcp:1",
+                "env": {"NIXL_PLUGIN_DIR": None, "UCX_LOG_LEVEL": "info",
+                        "UCX_TLS": "tcp,self"},
+                # tried in turn when the backend cannot be created (a CUDA build of UCX may
+                # want its memory-type transport; neither moves host memory between processes)
+                "alternatives": [{"UCX_TLS": "tcp,self,cuda_copy"}, {"UCX_TLS": "tcp"}],
+                "title": "UCX tcp", "short": "UCXt"},
+    "ucx-1p": {"backend": "UCX", "kind": "stock", "limit": "memcpy", "one_process": True,
+               "env": {"NIXL_PLUGIN_DIR": None, "UCX_LOG_LEVEL": "info"},
+               "title": "UCX 1proc", "short": "UCX1p"},
     # NIXL_PLUGIN_DIR unset: LIBFABRIC is the wheel's own plugin.
-    "stock-libfabric": ("LIBFABRIC", {"NIXL_PLUGIN_DIR": None}, "tcp"),
+    "stock-libfabric": {"backend": "LIBFABRIC", "kind": "stock", "limit": "tcp:1",
+                        "env": {"NIXL_PLUGIN_DIR": None},
+                        "title": "stock LIBFABRIC", "short": "stLF"},
 }
-TITLES = {"ours-tcp": "nixl-fabric tcp", "ours-shm": "nixl-fabric shm",
-          "ours-tcp-default": "nf tcp+samehost", "ucx": "stock UCX",
-          "stock-libfabric": "stock LIBFABRIC"}
-OURS = ("ours-tcp", "ours-shm", "ours-tcp-default")
-SHORT = {"ours-tcp": "tcp", "ours-shm": "shm", "ours-tcp-default": "dflt", "ucx": "UCX",
-         "stock-libfabric": "stLF"}
-STOCK = ("ucx", "stock-libfabric")
+GROUPS = {
+    "default": ["ours-tcp", "ours-shm", "ours-tcp-default", "ucx", "stock-libfabric"],
+    # most important first: --budget skips from the end
+    "dram": ["ours-tcp", "ucx-tcp", "ours-tcp-default", "ucx", "ours-1p", "ucx-1p",
+             "ours-tcp-r2", "ours-tcp-r4", "ours-tcp-r8", "ours-shm", "stock-libfabric"],
+    "all": list(CONFIGS),
+}
+TITLES = {k: v["title"] for k, v in CONFIGS.items()}
+SHORT = {k: v["short"] for k, v in CONFIGS.items()}
+OURS = tuple(k for k, v in CONFIGS.items() if v["kind"] == "ours")
+STOCK = tuple(k for k, v in CONFIGS.items() if v["kind"] == "stock")
+# Ratio columns: (numerator, denominator); a denominator "tcp:N" is raw TCP with N streams.
+RATIOS = ([(f"ours-tcp{'' if k == 1 else f'-r{k}'}", "ucx-tcp") for k in STREAMS]
+          + [(f"ours-tcp{'' if k == 1 else f'-r{k}'}", f"tcp:{k}") for k in STREAMS]
+          + [("ours-tcp-default", "ucx"), ("ours-1p", "ucx-1p"), ("ours-shm", "ucx"),
+             ("ours-tcp", "stock-libfabric")])
 
 
 def base_env():
@@ -114,6 +188,7 @@ def base_env():
                UCX_MODULES="^ib",
                OPENBLAS_NUM_THREADS="1")  # numpy's idle BLAS threads: fewer threads on 2 cores
     env.pop("NIXL_LOG_LEVEL", None)
+    env.pop("UCX_TLS", None)
     return env
 
 
@@ -154,12 +229,26 @@ def reversed_blocks(a, blocks, size):
 # ---------------------------------------------------------------------------------------------
 # NIXL processes
 
+def pick_module(want=None):
+    """The stock agent's Python module: nixl_cu13 on the GPU host, nixl_cu12 here."""
+    want = want or os.environ.get("NIXL_PY_MODULE")
+    for m in ([want] if want else ["nixl_cu13", "nixl_cu12"]):
+        try:
+            __import__(f"{m}._api")
+            return m
+        except ImportError:
+            continue
+    raise SystemExit(f"no NIXL python module among {want or 'nixl_cu13, nixl_cu12'} "
+                     f"(PYTHONPATH={os.environ.get('PYTHONPATH', '')})")
+
+
 def make_agent(name, backend):
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    api = __import__(f"{pick_module()}._api", fromlist=["nixl_agent", "nixl_agent_config"])
     # No backend in the config (the constructor would only warn about a missing plugin);
     # create_backend raises when the plugin cannot be loaded or created.
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=[]))
-    agent.create_backend(backend, {})
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=[]))
+    params = json.loads(os.environ.get("BENCH_BACKEND_PARAMS") or "{}")
+    agent.create_backend(backend, params)
     return agent
 
 
@@ -175,10 +264,11 @@ def finish(backend, rc):
 
 
 def role_probe(backend):
-    import nixl_cu12
-    plugdir = os.path.join(os.path.dirname(nixl_cu12.__file__), "..", ".nixl_cu12.mesonpy.libs",
-                           "plugins")
+    mod = pick_module()
+    m = __import__(mod)
+    plugdir = os.path.join(os.path.dirname(m.__file__), "..", f".{mod}.mesonpy.libs", "plugins")
     say(f"PLUGDIR {os.path.realpath(plugdir)}")
+    say(f"MODULE {mod}")
     try:
         agent = make_agent("bench-probe", backend)
         del agent
@@ -188,15 +278,15 @@ def role_probe(backend):
     return finish(backend, 0)
 
 
-def role_idle(backend, quick):
+def role_idle(backend, policy):
     """One agent with a registered region and nothing to do: the CPU time its process
-    spends over IDLE_S seconds (progress threads included)."""
+    spends over idle_s seconds (progress threads included)."""
     import resource
     agent = make_agent("bench-idle", backend)
     buf = np.zeros(64 * MiB, dtype=np.uint8)
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     time.sleep(1.0)
-    secs = 3.0 if quick else IDLE_S
+    secs = policy["idle_s"]
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     time.sleep(secs)
     r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -208,14 +298,19 @@ def role_idle(backend, quick):
     return finish(backend, 0)
 
 
-def role_target(backend):
+def serve_target(backend, fin, fout):
+    """The target's side: an agent with one registered SPAN, driven by commands read from
+    fin; replies (tagged lines) go to fout. A process (stdin/stdout) or a thread (pipes)."""
+    def emit(line):
+        fout.write(line + "\n")
+        fout.flush()
     agent = make_agent("bench-target", backend)
     buf = np.zeros(SPAN, dtype=np.uint8)
     buf[:] = 0  # touch every page before registration
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     src = np.random.default_rng(2).integers(0, 256, SPAN + 4 * KiB, dtype=np.uint8)
-    say(f"META {agent.get_agent_metadata().hex()} {buf.ctypes.data}")
-    for line in sys.stdin:  # EOF (initiator gone) ends the target too
+    emit(f"META {agent.get_agent_metadata().hex()} {buf.ctypes.data}")
+    for line in fin:  # EOF (initiator gone) ends the target too
         cmd = line.split()
         if not cmd:
             continue
@@ -223,26 +318,66 @@ def role_target(backend):
             break
         if cmd[0] == "ZERO":
             buf[: int(cmd[1])] = 0
-            say("OK")
+            emit("OK")
         elif cmd[0] == "CRC":
-            say(f"CRC {crc(buf[: int(cmd[1])])}")
+            emit(f"CRC {crc(buf[: int(cmd[1])])}")
         elif cmd[0] == "FILL":  # content for a READ; reply: CRC the initiator must end up with
             seed, blocks, size = (int(x) for x in cmd[1:4])
             n = blocks * size
             off = seed % (4 * KiB)
             buf[:n] = src[off: off + n]
-            say(f"CRC {crc(reversed_blocks(buf, blocks, size))}")
+            emit(f"CRC {crc(reversed_blocks(buf, blocks, size))}")
     agent.deregister_memory(reg)
     del agent
+
+
+def role_target(backend):
+    serve_target(backend, sys.stdin, sys.stdout)
     return finish(backend, 0)
 
 
+class ThreadTarget:
+    """The target as a thread of the initiator's process (two agents in one process), with
+    the Popen surface the Initiator uses: stdin, stdout, wait()."""
+
+    def __init__(self, backend):
+        r1, w1 = os.pipe()   # initiator -> target
+        r2, w2 = os.pipe()   # target -> initiator
+        self.stdin = os.fdopen(w1, "w", buffering=1)
+        self.stdout = os.fdopen(r2, "r")
+        self._fin, self._fout = os.fdopen(r1, "r"), os.fdopen(w2, "w", buffering=1)
+        self.rc = None
+        self.thread = threading.Thread(target=self._main, args=(backend,), name="target",
+                                       daemon=True)
+        self.thread.start()
+
+    def _main(self, backend):
+        try:
+            serve_target(backend, self._fin, self._fout)
+            self.rc = 0
+        except Exception as e:  # noqa: BLE001 - reported through the pipe's EOF and the log
+            log(f"target thread: {type(e).__name__}: {e}")
+            self.rc = 1
+        finally:
+            self._fout.close()
+
+    def wait(self, timeout=None):
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise subprocess.TimeoutExpired("target thread", timeout)
+        return self.rc
+
+
 class Initiator:
-    def __init__(self, backend, policy):
+    def __init__(self, backend, policy, one_process=False):
         self.backend, self.p = backend, policy
-        self.child = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--role", "target", "--backend", backend],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        if one_process:
+            self.child = ThreadTarget(backend)
+        else:
+            self.child = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--role", "target",
+                 "--backend", backend],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         meta_hex, addr = self.hear("META").split()
         self.rbase = int(addr)
         self.agent = make_agent("bench-init", backend)
@@ -384,9 +519,8 @@ class Initiator:
         return rc
 
 
-def role_initiator(backend, quick):
-    policy = QUICK if quick else POLICY
-    ini = Initiator(backend, policy)
+def role_initiator(backend, policy, one_process):
+    ini = Initiator(backend, policy, one_process)
     try:
         for op in OPS:
             for blocks, size in [(1, s) for s in SINGLE] + KV:
@@ -441,20 +575,49 @@ def recv_exact(sock, view):
         got += k
 
 
-def role_tcp_sink():
+SOCKBUF = int(os.environ.get("BENCH_TCP_SOCKBUF", 8 * MiB))  # 0: leave autotuning alone
+
+
+def tune_socket(s):
+    """Large socket buffers where the kernel lets us (SO_*BUFFORCE needs CAP_NET_ADMIN; plain
+    SO_*BUF is capped by net.core.[rw]mem_max, and a cap below the autotuning maximum would
+    make things worse, so then autotuning is left alone). Returns what was done."""
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    how = "autotuned"
+    if SOCKBUF <= 0:
+        return f"autotuned: snd {s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)}"
+    for force, plain in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):  # SO_*BUFFORCE
+        try:
+            s.setsockopt(socket.SOL_SOCKET, force, SOCKBUF)
+            how = "forced"
+        except OSError:
+            try:
+                lim = int(open("/proc/sys/net/core/" + ("rmem_max" if plain == socket.SO_RCVBUF
+                                                        else "wmem_max")).read())
+            except (OSError, ValueError):
+                lim = 0
+            if lim >= SOCKBUF:
+                s.setsockopt(socket.SOL_SOCKET, plain, SOCKBUF)
+                how = "set"
+    return (f"{how}: snd {s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)} "
+            f"rcv {s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)}")
+
+
+def role_tcp_sink(nbytes):
     ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     ls.bind(("127.0.0.1", 0))
     ls.listen(1)
     say(f"PORT {ls.getsockname()[1]}")
     s, _ = ls.accept()
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = bytearray(SPAN)
+    tune_socket(s)
+    buf = bytearray(nbytes)
     hdr = bytearray(9)
     while True:
         recv_exact(s, memoryview(hdr))
         cmd, n = hdr[:1], struct.unpack("<Q", hdr[1:])[0]
-        if cmd == b"B":    # bulk: receive n bytes, ack with their CRC
+        if cmd == b"B":    # bulk: receive n bytes, ack at once, then send their CRC (untimed)
             recv_exact(s, memoryview(buf)[:n])
+            s.sendall(b"A")
             s.sendall(struct.pack("<I", zlib.crc32(memoryview(buf)[:n])))
         elif cmd == b"P":  # ping-pong n times, 8 bytes each way
             m = memoryview(bytearray(8))
@@ -467,27 +630,42 @@ def role_tcp_sink():
     return 0
 
 
+def start_sink(nbytes):
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "tcp-sink",
+                              "--bytes", str(nbytes)], stdout=subprocess.PIPE, text=True)
+    line = child.stdout.readline().split()
+    if len(line) != 2 or line[0] != "PORT":
+        child.kill()
+        raise RuntimeError(f"tcp sink did not start: {line}")
+    return child, int(line[1])
+
+
+def bulk(s, data, ack):
+    """One timed bulk send (until the receiver's 1-byte ack); returns (t0, t1, crc ok)."""
+    t0 = time.perf_counter()
+    s.sendall(b"B" + struct.pack("<Q", len(data)))
+    s.sendall(data)
+    recv_exact(s, ack[:1])
+    t1 = time.perf_counter()
+    recv_exact(s, ack)
+    return t0, t1, struct.unpack("<I", ack)[0] == zlib.crc32(data)
+
+
 def tcp_baseline(p):
     """Raw loopback TCP between two processes: 64 MiB per run (until the receiver's ack), and
     an 8-byte ping-pong round trip (the latency a delivered write needs at least)."""
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "tcp-sink"],
-                             stdout=subprocess.PIPE, text=True)
+    child, port = start_sink(SPAN)
     try:
-        port = int(child.stdout.readline().split()[1])
         s = socket.create_connection(("127.0.0.1", port))
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        data = np.random.default_rng(4).integers(0, 256, SPAN, dtype=np.uint8)
-        want = crc(data)
+        sockbuf = tune_socket(s)
+        data = memoryview(np.random.default_rng(4).integers(0, 256, SPAN, dtype=np.uint8))
         ack = memoryview(bytearray(4))
         ts, ok = [], True
         for i in range(p["tcp_runs"] + 1):
-            t0 = time.perf_counter()
-            s.sendall(b"B" + struct.pack("<Q", SPAN))
-            s.sendall(memoryview(data))
-            recv_exact(s, ack)
+            t0, t1, good = bulk(s, data, ack)
             if i:  # first run is warm-up
-                ts.append(time.perf_counter() - t0)
-            ok &= struct.unpack("<I", ack)[0] == want
+                ts.append(t1 - t0)
+            ok &= good
         n = p["lat_iters"]
         s.sendall(b"P" + struct.pack("<Q", n + 50))
         m, lat = memoryview(bytearray(8)), []
@@ -507,7 +685,74 @@ def tcp_baseline(p):
     med = statistics.median(ts)
     return {"bytes": SPAN, "runs": len(ts), "median_s": med, "gbps": SPAN / med / 1e9,
             "verified": ok, "rtt_median_us": statistics.median(lat) * 1e6,
-            "rtt_p99_us": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e6}
+            "rtt_p99_us": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e6,
+            "sockbuf": sockbuf}
+
+
+def role_tcp_src(port, nbytes):
+    """One stream of the parallel-stream baseline: connect, then one bulk send of nbytes per
+    GO line on stdin, answering `T t0 t1 ok` (perf_counter is CLOCK_MONOTONIC: comparable
+    between the processes)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    sockbuf = tune_socket(s)
+    data = memoryview(np.random.default_rng(5 + port).integers(0, 256, nbytes, dtype=np.uint8))
+    ack = memoryview(bytearray(4))
+    say(f"READY {sockbuf}")
+    for line in sys.stdin:
+        if line.strip() != "GO":
+            break
+        t0, t1, ok = bulk(s, data, ack)
+        say(f"T {t0!r} {t1!r} {int(ok)}")
+    s.sendall(b"Q" + struct.pack("<Q", 0))
+    s.close()
+    return 0
+
+
+def tcp_streams_baseline(p, n):
+    """n parallel loopback TCP streams, one sender and one receiver process per stream (no
+    GIL in common): each run sends SPAN / n bytes on every stream at once; the figure is
+    SPAN / (last ack - first send) over the runs' median."""
+    each = SPAN // n
+    procs, ok, ts, sockbuf = [], True, [], ""
+    try:
+        for _ in range(n):
+            sink, port = start_sink(each)
+            procs.append(sink)
+            src = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "tcp-src",
+                                    "--port", str(port), "--bytes", str(each)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                   bufsize=1)
+            procs.append(src)
+        srcs = procs[1::2]
+        for s in srcs:
+            line = s.stdout.readline()
+            if not line.startswith("READY"):
+                raise RuntimeError(f"tcp stream sender did not start: {line!r}")
+            sockbuf = line.split(" ", 1)[1].strip()
+        for i in range(p["tcp_runs"] + 1):
+            for s in srcs:
+                s.stdin.write("GO\n")
+                s.stdin.flush()
+            t0s, t1s = [], []
+            for s in srcs:
+                _, a, b, good = s.stdout.readline().split()
+                t0s.append(float(a))
+                t1s.append(float(b))
+                ok &= good == "1"
+            if i:
+                ts.append(max(t1s) - min(t0s))
+        for s in srcs:
+            s.stdin.close()
+        for c in procs:
+            c.wait(timeout=30)
+    finally:
+        for c in procs:
+            if c.poll() is None:
+                c.kill()
+    med = statistics.median(ts)
+    return {"streams": n, "bytes": each * n, "bytes_per_stream": each, "runs": len(ts),
+            "median_s": med, "gbps": each * n / med / 1e9, "best_gbps": each * n / min(ts) / 1e9,
+            "verified": ok, "sockbuf": sockbuf}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,13 +788,13 @@ def ldd_problems(path):
     return sorted(set(probs))
 
 
-def probe(label, env, logdir):
-    backend = CONFIGS[label][0]
+def probe(label, env, logdir, timeout=120):
+    backend = CONFIGS[label]["backend"]
     env = dict(env, NIXL_LOG_LEVEL="DEBUG")
     logpath = os.path.join(logdir, f"{label}.probe.log")
     with open(logpath, "w") as logf:
         rc, out = run_child([sys.executable, os.path.abspath(__file__), "--role", "probe",
-                             "--backend", backend], env, 120, logf)
+                             "--backend", backend], env, timeout, logf)
     res = dict(re.findall(r"^(PROBE|PLUGDIR) (.*)$", out, re.M))
     if res.get("PROBE") == "ok":
         return None
@@ -570,28 +815,101 @@ def probe(label, env, logdir):
     return f"probe process ended with rc {rc}; see {logpath}"
 
 
-def run_config(label, quick, logdir, plugdir):
-    backend, changes, limit = CONFIGS[label]
-    changes = {k: (plugdir if v == "@plugins" else v) for k, v in changes.items()}
+RAIL_RE = re.compile(r"(bench-\w+): rail (\d+): provider (\S+) domain (\S+)")
+PEER_RE = re.compile(r"(bench-\w+): agent '([^']+)' (is on this host|is remote) via rail pairs "
+                     r"(\[[^\]]*\])(?:, its memory (reachable|not reachable) by CMA)?")
+SAMEPROC_RE = re.compile(r"(bench-\w+): agent '([^']+)' is an engine of this process")
+
+
+def same_host_path(text):
+    """Which path our plugin took between the bench's agents, from their NIXL_FABRIC_LOG=info
+    connect lines: rails (provider per rail), rail pairs, CMA reachability, direct copies."""
+    rails = {}
+    for owner, idx, prov, dom in RAIL_RE.findall(text):
+        rails.setdefault(owner, {})[int(idx)] = f"{prov}/{dom}"
+    seen, out = set(), []
+    for owner, peer, where, pairs, cma in PEER_RE.findall(text):
+        if (owner, peer) in seen or owner == "bench-probe":
+            continue
+        seen.add((owner, peer))
+        try:
+            used = sorted({int(a) for a, _ in re.findall(r"\((\d+), (\d+)\)", pairs)})
+        except ValueError:
+            used = []
+        provs = sorted({rails.get(owner, {}).get(i, "?").split("/")[0] for i in used})
+        out.append({"agent": owner, "peer": peer, "same_host": where == "is on this host",
+                    "rail_pairs": pairs, "providers": provs,
+                    "cma": None if not cma else cma == "reachable",
+                    "same_process": False})
+    for owner, peer in SAMEPROC_RE.findall(text):
+        for e in out:
+            if (e["agent"], e["peer"]) == (owner, peer):
+                e["same_process"] = True
+    return out
+
+
+def describe_path(entries):
+    if not entries:
+        return "no connect line in the log (NIXL_FABRIC_LOG=info)"
+    parts = []
+    for e in entries:
+        if e["same_process"]:
+            how = "engines of one process: direct copies"
+        else:
+            how = "+".join(e["providers"]) + " rails " + e["rail_pairs"]
+        if e["same_host"]:
+            how += ", CMA " + ("reachable" if e["cma"] else "NOT reachable")
+        else:
+            how += ", not same host"
+        parts.append(f"{e['agent'].replace('bench-', '')}->{e['peer'].replace('bench-', '')}: "
+                     + how)
+    return "; ".join(parts)
+
+
+def config_env(label, plugdir, alt=None):
+    c = CONFIGS[label]
     env = base_env()
+    changes = {k: (plugdir if v == "@plugins" else v) for k, v in c["env"].items()}
+    changes.update(alt or {})
+    if c["kind"] == "ours":
+        changes["NIXL_FABRIC_LOG"] = "info"   # connect lines: which same-host path was taken
     for k, v in changes.items():
         if v is None:
             env.pop(k, None)
         else:
             env[k] = v
+    env["BENCH_BACKEND_PARAMS"] = json.dumps(c.get("params", {}))
+    return env, changes
+
+
+def run_config(label, profile, policy, logdir, plugdir, timeout):
+    c = CONFIGS[label]
+    backend, limit = c["backend"], c["limit"]
+    env, changes = config_env(label, plugdir)
     res = {"label": label, "title": TITLES[label], "backend": backend, "limit": limit,
-           "env": {k: v for k, v in changes.items()}, "points": {}, "loadavg_before": os.getloadavg()}
-    why = probe(label, env, logdir)
+           "env": changes, "params": c.get("params", {}),
+           "one_process": bool(c.get("one_process")), "points": {},
+           "loadavg_before": os.getloadavg()}
+    why = probe(label, env, logdir, timeout=min(120, max(10, timeout)))
+    for alt in c.get("alternatives", []) if why else []:
+        log(f"{TITLES[label]}: {why}; trying {alt}")
+        res.setdefault("probe_failures", []).append({"env": changes, "error": why})
+        env, changes = config_env(label, plugdir, alt)
+        res["env"] = changes
+        why = probe(label, env, logdir, timeout=min(120, max(10, timeout)))
+        if not why:
+            break
     if why:
         res["error"] = why
         return res
     logpath = os.path.join(logdir, f"{label}.log")
     t0 = time.time()
-    args = [sys.executable, os.path.abspath(__file__), "--role", "initiator", "--backend", backend]
-    if quick:
-        args.append("--quick")
+    args = [sys.executable, os.path.abspath(__file__), "--role", "initiator", "--backend", backend,
+            "--profile", profile]
+    if c.get("one_process"):
+        args.append("--one-process")
     with open(logpath, "w") as logf:
-        rc, out = run_child(args, env, CONFIG_TIMEOUT_S, logf)
+        rc, out = run_child(args, env, timeout, logf)
     res["seconds"] = round(time.time() - t0, 1)
     res["loadavg_after"] = os.getloadavg()
     for tag, body in re.findall(r"^(POINT|LATENCY|CPU|ERROR|TARGETRC) (.*)$", out, re.M):
@@ -606,22 +924,26 @@ def run_config(label, quick, logdir, plugdir):
             res["error"] = json.loads(body)
         else:
             res["target_rc"] = int(body)
+    logtext = open(logpath, errors="replace").read()
     if rc != 0 and "error" not in res:
-        tail = open(logpath, errors="replace").read().strip().splitlines()[-3:]
-        res["error"] = f"initiator rc {rc}: " + " | ".join(tail)
+        tail = logtext.strip().splitlines()[-3:]
+        res["error"] = (f"killed after {timeout:.0f} s (time budget)" if rc == "timeout"
+                        else f"initiator rc {rc}") + ": " + " | ".join(tail)
     if res.get("target_rc", 0) != 0:
         res.setdefault("error", f"target rc {res['target_rc']}")
-    if "error" not in res:
-        args = [sys.executable, os.path.abspath(__file__), "--role", "idle", "--backend", backend]
-        if quick:
-            args.append("--quick")
+    if c["kind"] == "ours":
+        res["same_host_path"] = same_host_path(logtext)
+        res["same_host_path_text"] = describe_path(res["same_host_path"])
+    if "error" not in res and not c.get("one_process") and policy["idle_s"] > 0:
+        args = [sys.executable, os.path.abspath(__file__), "--role", "idle", "--backend", backend,
+                "--profile", profile]
         with open(os.path.join(logdir, f"{label}.idle.log"), "w") as logf:
-            _, out = run_child(args, env, IDLE_S + 60, logf)
-        m = re.search(r"^IDLE (.*)$", out, re.M)
+            _, iout = run_child(args, env, policy["idle_s"] + 60, logf)
+        m = re.search(r"^IDLE (.*)$", iout, re.M)
         if m:
             res["idle"] = json.loads(m.group(1))
-    if label == "ucx":  # which UCX transports carried it (UCX_LOG_LEVEL=info; UCX logs to stdout)
-        cfg = re.findall(r"intra-node cfg#\d+ (.*)", out + open(logpath, errors="replace").read())
+    if backend == "UCX":  # which UCX transports carried it (UCX_LOG_LEVEL=info; logs to stdout)
+        cfg = re.findall(r"(?:intra|inter)-node cfg#\d+ (.*)", out + logtext)
         if cfg:
             res["ucx_transports"] = cfg[0].strip()
     return res
@@ -641,38 +963,66 @@ def all_verified(r):
     return all(vals)
 
 
+def limit_gbps(base, limit):
+    """The physical limit a configuration's fractions refer to."""
+    if limit == "memcpy":
+        return base["memcpy"]["gbps"]
+    if limit.startswith("tcp:"):
+        st = base.get("tcp_streams", {}).get(limit[4:])
+        if st:
+            return st["gbps"]
+    return base["tcp"]["gbps"]   # "tcp" (older JSON) or no stream figure
+
+
+def ratio_den(report, den):
+    """A ratio's denominator: a configuration label, or "tcp:N" (raw TCP with N streams)."""
+    if den.startswith("tcp:"):
+        return report["baselines"].get("tcp_streams", {}).get(den[4:])
+    return report["configs"].get(den)
+
+
+def ratio_title(num_, den):
+    d = f"TCP{den[4:]}" if den.startswith("tcp:") else SHORT.get(den, den)
+    return f"{SHORT.get(num_, num_)}/{d}"
+
+
 def print_table(report):
     base, cfgs = report["baselines"], report["configs"]
-    limits = {"memcpy": base["memcpy"]["gbps"], "tcp": base["tcp"]["gbps"]}
     loaded = [c for c in cfgs if cfgs[c]["points"]]
-    ratios = [(o, s) for o in OURS for s in STOCK if o in loaded and s in loaded]
-    w = 17
-    head = f"{'point':<22}" + "".join(f"{TITLES[c]:>{w}}" for c in loaded)
-    head += "".join(f"{SHORT[o] + '/' + SHORT[s]:>10}" for o, s in ratios)
-    head += "  check"
-    lines = ["", f"memcpy (1 thread, 64 MiB): {limits['memcpy']:.2f} GB/s   raw loopback TCP "
-             f"(64 MiB, 2 processes): {limits['tcp']:.2f} GB/s   TCP 8 B round trip: "
-             f"{base['tcp']['rtt_median_us']:.1f} us median, {base['tcp']['rtt_p99_us']:.1f} us p99",
-             "bandwidth in GB/s (median); (%) = fraction of the physical limit: raw TCP for "
-             "nixl-fabric tcp and stock LIBFABRIC, memcpy for the shm paths and UCX", "", head,
-             "-" * len(head)]
+    ratios = [(n, d) for n, d in RATIOS if n in loaded
+              and (d.startswith("tcp:") and ratio_den(report, d) or d in loaded)]
+    if not any(d == "ucx-tcp" for _, d in ratios):   # old default set: ours vs each stock one
+        ratios += [(o, s) for o in OURS for s in STOCK if o in loaded and s in loaded
+                   and (o, s) not in ratios]
+    w, rw = 10, 10
+    streams = base.get("tcp_streams", {})
+    lines = ["", f"memcpy (1 thread, 64 MiB): {base['memcpy']['gbps']:.2f} GB/s   raw loopback "
+             f"TCP (64 MiB, 2 processes): {base['tcp']['gbps']:.2f} GB/s   TCP 8 B round trip: "
+             f"{base['tcp']['rtt_median_us']:.1f} us median, {base['tcp']['rtt_p99_us']:.1f} us p99"]
+    if streams:
+        lines.append("raw loopback TCP, 64 MiB over N parallel streams (one process per end "
+                     "and stream): " + ", ".join(f"{k}: {v['gbps']:.2f}" for k, v in streams.items())
+                     + " GB/s")
+    lines += ["bandwidth in GB/s (median); * = fewer posts than the minimum", ""]
+    head = f"{'point':<22}" + "".join(f"{SHORT[c]:>{w}}" for c in loaded) + "  check"
+    lines += [head, "-" * len(head)]
+    rhead = f"{'point':<22}" + "".join(f"{ratio_title(n, d):>{rw}}" for n, d in ratios)
+    rlines = ["", "ratios (higher is better for bandwidth; for the latency and ns/desc rows lower "
+              "is better); TCPn = raw loopback TCP with n streams", "", rhead, "-" * len(rhead)]
 
-    def row(name, vals, fmt, pct, capped=()):
+    def rows(name, vals, fmt, capped=(), check=""):
         s = f"{name:<22}"
         for c in loaded:
             v = vals.get(c)
-            if v is None:
-                s += f"{'-':>{w}}"
-                continue
-            txt = fmt(v)
-            if pct:
-                txt += f" ({100 * pct(c, v):3.0f}%)"
-            txt += "*" if c in capped else " "
-            s += f"{txt:>{w}}"
-        for o, st in ratios:
-            a, b = vals.get(o), vals.get(st)
-            s += f"{num(a / b):>10}" if a and b else f"{'-':>10}"
-        return s
+            s += f"{'-':>{w}}" if v is None else f"{fmt(v) + ('*' if c in capped else ' '):>{w}}"
+        lines.append(s + check)
+        r = f"{name:<22}"
+        for n, d in ratios:
+            a = vals.get(n)
+            b = vals.get(d) if not d.startswith("tcp:") else (
+                ratio_den(report, d)["gbps"] if name.startswith(("WRITE", "READ")) else None)
+            r += f"{num(a / b):>{rw}}" if a and b else f"{'-':>{rw}}"
+        rlines.append(r)
 
     for key in point_order():
         vals, bad, capped = {}, [], set()
@@ -684,31 +1034,34 @@ def print_table(report):
                     capped.add(c)
                 if not p["verified"]:
                     bad.append(TITLES[c])
-        lines.append(row(key, vals, num,
-                         lambda c, v: v / limits[cfgs[c]["limit"]], capped)
-                     + ("  ok" if not bad else "  WRONG BYTES: " + ", ".join(bad)))
-    rtt = base["tcp"]["rtt_median_us"]
+        rows(key, vals, num, capped, "  ok" if not bad else "  WRONG BYTES: " + ", ".join(bad))
     for what, field in (("8 B WRITE lat med us", "median_us"), ("8 B WRITE lat p99 us", "p99_us")):
         vals = {c: cfgs[c]["latency"][field] for c in loaded if "latency" in cfgs[c]}
         ok = all(cfgs[c]["latency"]["verified"] for c in vals)
-        pct = (lambda c, v: rtt / v) if field == "median_us" else None
-        lines.append(row(what, vals, lambda v: f"{v:.1f}", pct) + ("  ok" if ok else "  WRONG"))
+        rows(what, vals, lambda v: f"{v:.1f}", check="  ok" if ok else "  WRONG")
     for what, field in (("post 4096: CPU ns/desc", "cpu_ns_per_desc"),
                         ("post 4096: wall ns/desc", "wall_ns_per_desc")):
         vals = {c: cfgs[c]["cpu"][field] for c in loaded if "cpu" in cfgs[c]}
         ok = all(cfgs[c]["cpu"]["verified"] for c in vals)
-        lines.append(row(what, vals, lambda v: f"{v:.0f}", None) + ("  ok" if ok else "  WRONG"))
+        rows(what, vals, lambda v: f"{v:.0f}", check="  ok" if ok else "  WRONG")
+    if ratios:
+        lines += rlines
     lines.append("")
-    lines.append("ratios: ours/stock of the figure in the row (bandwidth: higher is better; latency "
-                 "and ns/desc rows: lower is better). latency (%) = raw TCP round trip / latency.")
-    lines.append("* = fewer posts than the minimum (one post took most of the point's time "
-                 "budget); post 4096 rows: transfer() alone on the prepared WRITE 4096 x 4 KiB "
-                 "handle (CPU = calling thread's CPU time).")
+    lines.append("columns: " + ", ".join(f"{SHORT[c]} = {TITLES[c]}" for c in cfgs)
+                 + ". post 4096 rows: transfer() alone on the prepared WRITE 4096 x 4 KiB handle "
+                 "(CPU = calling thread's CPU time).")
+    for c, r in cfgs.items():
+        if r.get("same_host_path_text"):
+            lines.append(f"same-host path, {TITLES[c]}: {r['same_host_path_text']}")
+    if "ptrace_scope" in report:
+        lines.append(f"kernel.yama.ptrace_scope: {report['ptrace_scope']}")
+    for c, r in cfgs.items():
+        if r.get("ucx_transports"):
+            tls = (r.get("env") or {}).get("UCX_TLS") or "default"
+            lines.append(f"{TITLES[c]} transports (UCX_TLS={tls}): {r['ucx_transports']}")
     for c, r in cfgs.items():
         if r.get("error"):
             lines.append(f"{TITLES[c]}: {r['error']}")
-    if "ucx_transports" in cfgs.get("ucx", {}):
-        lines.append(f"stock UCX transports: {cfgs['ucx']['ucx_transports']}")
     return "\n".join(lines)
 
 
@@ -721,7 +1074,10 @@ def plot(report, path):
         log("matplotlib missing: no PNG (make bench installs it)")
         return False
     cfgs, base = report["configs"], report["baselines"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    streams = base.get("tcp_streams", {})
+    railed = [c for c in cfgs if CONFIGS.get(c, {}).get("rails") and cfgs[c]["points"]]
+    extra = bool(streams or len(railed) > 1)
+    fig, axes = plt.subplots(3 if extra else 2, 2, figsize=(13, 14 if extra else 9))
     for col, op in enumerate(OPS):
         for row, (title, xs, keyf) in enumerate((
                 (f"{op}, one descriptor", SINGLE, lambda s: point_key(op, 1, s)),
@@ -731,7 +1087,8 @@ def plot(report, path):
             for c, r in cfgs.items():
                 pts = [(x, r["points"][keyf(x)]["gbps"]) for x in xs if keyf(x) in r["points"]]
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=TITLES[c])
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=TITLES.get(c, c), ls="--" if c in STOCK else "-")
             ax.axhline(base["memcpy"]["gbps"], ls="--", color="gray", label="memcpy (1 thread)")
             ax.axhline(base["tcp"]["gbps"], ls=":", color="black", label="raw loopback TCP")
             ax.set_xscale("log", base=2)
@@ -741,9 +1098,33 @@ def plot(report, path):
             ax.set_ylabel("GB/s (median)")
             ax.set_title(title)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle(f"nixl-fabric vs stock NIXL backends, two processes on {report['host']} "
-                 f"({report['date']}; {report['nproc']} cores)")
+            ax.legend(fontsize=7)
+    if extra:  # rails against parallel TCP streams, per op, at 64 MiB and 1024 x 16 KiB
+        for col, op in enumerate(OPS):
+            ax = axes[2][col]
+            for key in (point_key(op, 1, 64 * MiB), point_key(op, 1024, 16 * KiB)):
+                pts = [(CONFIGS[c]["rails"], cfgs[c]["points"][key]["gbps"]) for c in railed
+                       if key in cfgs[c]["points"]]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=f"nf tcp, {key[len(op) + 1:]}")
+                if "ucx-tcp" in cfgs and key in cfgs["ucx-tcp"]["points"]:
+                    ax.axhline(cfgs["ucx-tcp"]["points"][key]["gbps"], ls="--", lw=1,
+                               color=ax.lines[-1].get_color() if pts else None,
+                               label=f"UCX tcp, {key[len(op) + 1:]}")
+            if streams:
+                ks = sorted(int(k) for k in streams)
+                ax.plot(ks, [streams[str(k)]["gbps"] for k in ks], marker="s", color="black",
+                        ls=":", label="raw TCP, 64 MiB over N streams")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(STREAMS, [str(k) for k in STREAMS])
+            ax.set_xlabel("rails (ours) / parallel streams (raw TCP)")
+            ax.set_ylabel("GB/s (median)")
+            ax.set_title(f"{op}: tcp rails vs parallel TCP streams")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"nixl-fabric vs stock NIXL backends, DRAM, two processes on {report['host']} "
+                 f"({report['date']}; {report['nproc']} cores; {report.get('profile', '')})")
     fig.tight_layout()
     fig.savefig(path + ".tmp", dpi=100, format="png")  # *.tmp is git-ignored
     os.replace(path + ".tmp", path)
@@ -770,45 +1151,100 @@ def private_plugin(src, logdir):
 
 
 def git_rev():
+    """HEAD of the checkout; in the GPU bundle, the GIT_REV file `make gpu-bundle` wrote."""
     try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip() if IN_REPO else ""
     except (OSError, subprocess.TimeoutExpired):
-        return ""
+        rev = ""
+    if not rev:
+        try:
+            rev = open(os.path.join(HERE, "GIT_REV")).read().strip()
+        except OSError:
+            pass
+    return rev
+
+
+def read_text(path):
+    try:
+        return open(path).read().strip()
+    except OSError:
+        return None
+
+
+def expand_configs(spec):
+    labels = []
+    for c in spec.split(","):
+        for x in GROUPS.get(c, [c]):
+            if x not in CONFIGS:
+                sys.exit(f"unknown config {x}; known: {','.join(CONFIGS)} or a group: "
+                         f"{','.join(GROUPS)}")
+            if x not in labels:
+                labels.append(x)
+    return labels
 
 
 def orchestrate(a):
-    policy = QUICK if a.quick else POLICY
-    labels = a.configs.split(",")
-    for c in labels:
-        if c not in CONFIGS:
-            sys.exit(f"unknown config {c}; known: {','.join(CONFIGS)}")
-    logdir = os.path.join(ROOT, "build", "bench")
-    os.makedirs(logdir, exist_ok=True)
+    profile = a.profile
+    policy = PROFILES[profile]
+    labels = expand_configs(a.configs)
     os.makedirs(a.out, exist_ok=True)
-    plugin, plugdir = private_plugin(a.plugin, logdir)
+    logdir = a.logdir or (os.path.join(ROOT, "build", "bench") if IN_REPO
+                          else os.path.join(a.out, "logs"))
+    os.makedirs(logdir, exist_ok=True)
+    # the private copy of the plugin: beside the logs in a checkout; elsewhere (GPU bundle,
+    # logs under $OUT) in /tmp, so that it does not travel back with the results
+    plugin, plugdir = private_plugin(a.plugin, logdir if IN_REPO else os.path.join(
+        "/tmp", f"nixl-bench-{os.getuid()}"))
+    module = pick_module(a.module)
+    os.environ["NIXL_PY_MODULE"] = module   # every child uses the same module
     t0 = time.time()
+    deadline = t0 + a.budget if a.budget else None
     date = datetime.date.today().isoformat()
     report = {"date": date, "started": datetime.datetime.now().isoformat(timespec="seconds"),
               "host": socket.gethostname(), "nproc": os.cpu_count(), "git_rev": git_rev(),
-              "plugin": plugin,
-              "quick": a.quick, "policy": policy, "loadavg_start": os.getloadavg(),
+              "plugin": plugin, "nixl_module": module, "python": sys.version.split()[0],
+              "quick": profile == "quick", "profile": profile, "policy": policy,
+              "budget_s": a.budget, "loadavg_start": os.getloadavg(),
+              "ptrace_scope": read_text("/proc/sys/kernel/yama/ptrace_scope"),
+              "kernel": os.uname().release,
               "baselines": {}, "configs": {}}
     try:
-        import nixl_cu12  # noqa: F401 - version only
         from importlib.metadata import version
-        report["nixl_version"] = version("nixl-cu12")
+        report["nixl_version"] = version(module.replace("_", "-"))
     except Exception:  # noqa: BLE001
         pass
+    log(f"module {module}, profile {profile}, configs {','.join(labels)}, logs in {logdir}")
     log("baseline: memcpy")
     report["baselines"]["memcpy"] = memcpy_baseline(policy)
     log("baseline: raw loopback TCP")
     report["baselines"]["tcp"] = tcp_baseline(policy)
-    for c in labels:
+    if not a.no_streams:
+        report["baselines"]["tcp_streams"] = {}
+        for n in STREAMS:
+            log(f"baseline: raw loopback TCP, {n} parallel streams")
+            try:
+                report["baselines"]["tcp_streams"][str(n)] = tcp_streams_baseline(policy, n)
+            except Exception as e:  # noqa: BLE001 - reported; the configurations still run
+                log(f"  failed: {type(e).__name__}: {e}")
+    for i, c in enumerate(labels):
+        timeout = policy["config_s"]
+        if deadline:
+            left = deadline - time.time() - 5
+            if left < min(30, timeout):
+                report["configs"][c] = {"label": c, "title": TITLES[c], "points": {},
+                                        "backend": CONFIGS[c]["backend"],
+                                        "limit": CONFIGS[c]["limit"],
+                                        "skipped": True, "error": "skipped: time budget spent"}
+                log(f"{TITLES[c]}: skipped (time budget)")
+                continue
+            # share what is left among the configurations still to run, not below 30 s
+            timeout = min(timeout, max(30, left / (len(labels) - i) * 2), left)
         log(f"{TITLES[c]} ...")
-        r = run_config(c, a.quick, logdir, plugdir)
+        r = run_config(c, profile, policy, logdir, plugdir, timeout)
         report["configs"][c] = r
-        log(f"{TITLES[c]}: " + (r.get("error") or f"{len(r['points'])} points, {r.get('seconds')} s"))
+        log(f"{TITLES[c]}: " + (r.get("error") or f"{len(r['points'])} points, {r.get('seconds')} s")
+            + (f" [{r['same_host_path_text']}]" if r.get("same_host_path_text") else ""))
     report["seconds"] = round(time.time() - t0, 1)
     table = print_table(report)
     idle = [f"{TITLES[c]} {r['idle']['cpu_s'] * 1000:.1f} ms ({r['idle']['cpu_pct']:.2f} %)"
@@ -818,22 +1254,39 @@ def orchestrate(a):
         table += f"\nidle CPU of one engine (agent + 64 MiB registered, {secs:.0f} s): " + ", ".join(idle)
     print(table)
     report["table"] = table
-    out_json = os.path.join(a.out, f"{date}.json")
+    out_json = os.path.join(a.out, f"{date}{a.suffix}.json")
     with open(out_json + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
     os.replace(out_json + ".tmp", out_json)
-    png = os.path.join(a.out, f"{date}.png")
-    made = plot(report, png)
+    png = os.path.join(a.out, f"{date}{a.suffix}.png")
+    try:
+        made = plot(report, png)
+    except Exception as e:  # noqa: BLE001 - the JSON is written; a plot bug must not fail the run
+        log(f"plot failed: {type(e).__name__}: {e}")
+        made = False
+    if not made and os.environ.get("PYTHONPATH"):
+        # The GPU host's system matplotlib may be built against the system numpy, not the
+        # bundle's (PYTHONPATH): plot from the JSON in a process without PYTHONPATH.
+        env = dict(os.environ)
+        env.pop("PYTHONPATH")
+        try:
+            made = subprocess.run([sys.executable, os.path.abspath(__file__), "--plot", out_json,
+                                   "--out", png], env=env, timeout=120).returncode == 0
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log(f"plot without PYTHONPATH failed: {e}")
     print(f"\nwrote {out_json}" + (f" and {png}" if made else "") + f" in {report['seconds']} s; "
           f"logs in {logdir}")
     failed = []
     for c, r in report["configs"].items():
         if r["points"] and not all_verified(r):
             failed.append(f"{TITLES[c]} returned wrong bytes")
-        if c in OURS and r.get("error"):
+        if c in OURS and r.get("error") and not r.get("skipped"):
             failed.append(f"{TITLES[c]}: {r['error']}")
     if not report["baselines"]["tcp"]["verified"]:
         failed.append("raw TCP baseline returned wrong bytes")
+    for n, st in report["baselines"].get("tcp_streams", {}).items():
+        if not st["verified"]:
+            failed.append(f"raw TCP baseline ({n} streams) returned wrong bytes")
     for f in failed:
         print("bench FAILED:", f)
     return 1 if failed else 0
@@ -844,25 +1297,52 @@ def main():
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", default="orchestrate",
-                    choices=["orchestrate", "initiator", "target", "probe", "tcp-sink", "idle"])
+                    choices=["orchestrate", "initiator", "target", "probe", "tcp-sink", "tcp-src",
+                             "idle"])
     ap.add_argument("--backend")
     ap.add_argument("--quick", action="store_true", help="few iterations (smoke run)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--gpu-host", action="store_true",
+                    help="the GPU host's profile: every DRAM configuration in ~7 minutes")
+    ap.add_argument("--profile", choices=list(PROFILES), help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"),
+                    help="where the JSON and PNG go")
+    ap.add_argument("--suffix", default="", help="appended to the date in the file names")
+    ap.add_argument("--logdir", help="per-process logs (default: build/bench in the repository, "
+                    "OUT/logs elsewhere)")
+    ap.add_argument("--configs", default="default",
+                    help=f"labels or groups ({', '.join(f'{k}' for k in GROUPS)}); "
+                         f"labels: {','.join(CONFIGS)}")
+    ap.add_argument("--module", help="nixl_cu13 or nixl_cu12 (default: $NIXL_PY_MODULE, else "
+                    "the first that imports)")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds for the whole run (configurations past it are skipped)")
+    ap.add_argument("--no-streams", action="store_true", help="no parallel-stream TCP baselines")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG (--out FILE) of a report")
+    ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--bytes", type=int, default=SPAN, help=argparse.SUPPRESS)
     ap.add_argument("--plugin", default=os.path.join(ROOT, "build", "plugins",
                                                      "libplugin_LIBFABRIC.so"),
                     help="our plugin (copied privately before the run)")
     a = ap.parse_args()
+    if not a.profile:
+        a.profile = "quick" if a.quick else "gpu-host" if a.gpu_host else "full"
+    policy = PROFILES[a.profile]
+    if a.plot:
+        png = a.out if a.out.endswith(".png") else os.path.splitext(a.plot)[0] + ".png"
+        return 0 if plot(json.load(open(a.plot)), png) else 1
     if a.role == "initiator":
-        return role_initiator(a.backend, a.quick)
+        return role_initiator(a.backend, policy, a.one_process)
     if a.role == "target":
         return role_target(a.backend)
     if a.role == "probe":
         return role_probe(a.backend)
     if a.role == "tcp-sink":
-        return role_tcp_sink()
+        return role_tcp_sink(a.bytes)
+    if a.role == "tcp-src":
+        return role_tcp_src(a.port, a.bytes)
     if a.role == "idle":
-        return role_idle(a.backend, a.quick)
+        return role_idle(a.backend, policy)
     return orchestrate(a)
 
 

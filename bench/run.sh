@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the benchmark (make bench calls this). Arguments go to bench/bench.py:
-#   bench/run.sh [--quick] [--configs ours-tcp,ours-shm,ours-tcp-default,ucx,stock-libfabric]
-#                [--plugin PATH/TO/libplugin.so] [--out DIR]
+#   bench/run.sh [--quick | --gpu-host] [--configs LABEL,...|default|dram|all]
+#                [--plugin PATH/TO/libplugin.so] [--out DIR] [--budget SECONDS]
+#   (labels: ours-tcp, ours-tcp-r2/r4/r8, ours-shm, ours-tcp-default, ours-1p, ucx, ucx-tcp,
+#    ucx-1p, stock-libfabric; bench.py --help)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PY:-$root/.venv/bin/python}

@@ -1,8 +1,9 @@
 # GPU tests. On this (CPU) machine `make test` runs the GPU harness twice: without a CUDA
 # driver (DRAM served, VRAM refused with NOT_SUPPORTED) and against the strict stand-in
 # driver src/cuda/mock_cuda.c (the whole staging path and the seed-bug regression).
-# `make gpu-bundle` packs everything a GPU host needs into .gpu/; there `bash .gpu/run-gpu.sh`
-# (or `make test-gpu`) runs the real thing.
+# `make gpu-bundle` packs everything a GPU host needs into .gpu/ (bench/bench.py included, for
+# the DRAM benchmark: RUN_GPU_ONLY=dram); there `bash .gpu/run-gpu.sh` (or `make test-gpu`)
+# runs the real thing.
 GPU_HARNESS := $(BUILD)/gpu_harness
 MOCK_CUDA   := $(BUILD)/libmockcuda.so
 GPU_BUNDLE  := $(ROOT)/.gpu
@@ -35,6 +36,8 @@ gpu-bundle: build $(GPU_HARNESS)
 	cp $(LIB) $(GPU_BUNDLE)/plugins/libplugin_LIBFABRIC.so
 	strip --strip-debug $(GPU_BUNDLE)/bin/* $(GPU_BUNDLE)/plugins/*
 	cp tests/gpu/*.py tests/gpu/*.sh $(GPU_BUNDLE)/
+	cp bench/bench.py $(GPU_BUNDLE)/bench.py
+	git -C $(ROOT) rev-parse HEAD > $(GPU_BUNDLE)/GIT_REV 2>/dev/null || true
 	test -f $(GPU_BUNDLE)/nixl-cu13.tar.xz || bash ../shared/tools/nixl-runtime.sh $(GPU_BUNDLE)/nixl-cu13.tar.xz 3.12 1.5.1 nixl-cu13
 	test -n "$$(ls $(GPU_BUNDLE)/numpy-*.whl 2>/dev/null)" || python3 -m pip download -q --no-deps --only-binary=:all: \
 	  --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 -d $(GPU_BUNDLE) numpy

@@ -2,13 +2,20 @@
 # Runs on the GPU host, from the bundle that `make gpu-bundle` packed (.gpu/). Prints every
 # suite's pass counts and the numbers for the closing note; exits non-zero on a failure.
 #   RUN_GPU_ONLY=ipc bash .gpu/run-gpu.sh     only the listed sections (comma-separated:
-#                                             unit, harness, agent, ipc, vmm, lf2); the host line
-#                                             is always printed. With only ipc, agent_ipc.py
-#                                             runs --quick unless IPC_ARGS says otherwise.
+#                                             unit, harness, agent, ipc, vmm, dram, lf2); the
+#                                             host line is always printed. With only ipc,
+#                                             agent_ipc.py runs --quick unless IPC_ARGS says
+#                                             otherwise.
 #   IPC_ARGS="--quick --only 64MiB"           extra arguments for agent_ipc.py
 #   VMM_ARGS="--only VRAM->VRAM"              arguments for the vmm section's agent_ipc.py --vmm
 #                                             runs (default --quick)
-# Results of the ipc section (JSON and logs) go to $OUT when it is set, else to the bundle.
+#   RUN_GPU_ONLY=dram bash .gpu/run-gpu.sh    the two-process DRAM benchmark (bench.py
+#                                             --gpu-host, ~5-7 min): ours tcp rails 1/2/4/8,
+#                                             default and one-process against UCX tcp, default
+#                                             and one-process; raw TCP streams, memcpy.
+#   DRAM_CONFIGS=ours-tcp,ucx-tcp DRAM_BUDGET=420 DRAM_ARGS=--quick   (its knobs)
+# Results of the ipc, vmm and dram sections (JSON, PNG, logs) go to $OUT when it is set, else
+# to the bundle (dram: $OUT/dram).
 set -u
 B=$(cd "$(dirname "$0")" && pwd)
 export FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo NIXL_FABRIC_PROVIDER=tcp
@@ -142,6 +149,22 @@ if want vmm; then
       [ -f "$B/$f.log" ] && grep -v "NIXL INFO" "$B/$f.log" | tail -c 4000000 > "$OUT/$f.log"
     done
   fi
+fi
+if want dram && [ -f "$B/bench.py" ]; then
+  section "DRAM, two processes through the stock agent (bench.py --gpu-host): ours vs UCX, raw TCP, memcpy"
+  nixl_runtime
+  R=${OUT:-$B}/dram; mkdir -p "$R/logs"
+  BUDGET=${DRAM_BUDGET:-400}
+  # bench.py sets every configuration's environment itself (loopback, provider, same-host shm
+  # rail on or off, NIXL_FABRIC_LOG=info for the same-host path); the exports above must not
+  # leak into the configurations that leave them unset. Every child has its own timeout
+  # inside bench.py; this one bounds the whole run.
+  env -u NIXL_FABRIC_SAME_HOST_SHM -u NIXL_FABRIC_PROVIDER -u NIXL_PLUGIN_DIR \
+    timeout -k 10 $((BUDGET + 70)) python3 "$B/bench.py" --gpu-host --configs "${DRAM_CONFIGS:-dram}" \
+    --budget "$BUDGET" --plugin "$B/plugins/libplugin_LIBFABRIC.so" --out "$R" --logdir "$R/logs" \
+    --suffix=-gpu-dram ${DRAM_ARGS:-} > "$R/dram.log" 2>&1 || rc=1
+  cat "$R/dram.log"
+  ls "$R"
 fi
 if want lf2 && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
   section "zero-copy path: CUDA-enabled libfabric 2.x"
