@@ -76,9 +76,9 @@ tunables! {
     pin_host_memory: bool = Bool, "true", "NIXL_FABRIC_PIN_HOST_MEMORY",
         "host memory that takes part in direct GPU copies (IPC or between engines of one process) is page-locked on first use (cuMemHostRegister), so the copies run at full bus speed; memory that is already pinned is used as it is";
     cma_copy: bool = Bool, "true", "NIXL_FABRIC_CMA_COPY",
-        "host memory of a same-host peer process that this process may access (cross-memory attach; needs same_host_shm) is written and read directly with process_vm_writev/readv, many descriptors per call and large requests split over copy threads, instead of through the shm rail";
+        "host memory of a same-host peer process that this process may access (cross-memory attach; needs same_host_shm) is written and read directly with process_vm_writev/readv, many descriptors per call and large requests split over copy threads, instead of through the shm rail; also spreads host-to-host copies of 2 MiB and more between engines of one process over the copy threads";
     cma_threads: u64 = U64, "0", "NIXL_FABRIC_CMA_THREADS",
-        "copy threads per engine for cma_copy (started at first use); 0 = half the cores this process may run on, at most 7";
+        "copy threads per engine for cma_copy and large same-process host copies (started at first use); 0 = half the cores this process may run on, at most 7";
     staging_buffer_size: u64 = Size, "67108864", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
         "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM)";
     staging_chunk_size: u64 = Size, "2097152", "NIXL_FABRIC_STAGING_CHUNK_SIZE",

@@ -100,8 +100,9 @@ fn same_host_peers_use_the_shm_rail() {
         let b = Engine::new("b", c).unwrap();
         assert_eq!(a.rail_count(), if shm { 2 } else { 1 });
         a.load_conn_info("b", b.conn_info()).unwrap();
+        // 4 MiB: over the copy threads (cma_copy's pool) when same-host paths are on
         let size = 4 << 20;
-        let src = vec![9u8; size];
+        let src: Vec<u8> = (0..size).map(|i| (i * 131 % 251) as u8).collect();
         let dst = vec![0u8; size];
         let ms = a.register(src.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
         let md = b.register(dst.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
@@ -111,14 +112,25 @@ fn same_host_peers_use_the_shm_rail() {
         let s = a.post(&req, None).unwrap();
         let s = if s == Status::NF_IN_PROG { wait(&[&a, &b], &req) } else { s };
         assert_eq!(s, Status::NF_SUCCESS);
-        assert!(dst.iter().all(|&x| x == 9));
+        assert!(dst == src, "bytes differ after the WRITE");
+        // and READ back, with the halves swapped (two descriptors)
+        let back = vec![0u8; size];
+        let mb = a.register(back.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
+        let (h, d0, b0) = (size as u64 / 2, dst.as_ptr() as u64, back.as_ptr() as u64);
+        let pairs = [Pair { local: (b0, h, &mb), remote: (d0 + h, h, &rd) }, Pair { local: (b0 + h, h, &mb), remote: (d0, h, &rd) }];
+        let rq = a.prepare(Op::Read, &pairs, "b").unwrap();
+        let s = a.post(&rq, None).unwrap();
+        let s = if s == Status::NF_IN_PROG { wait(&[&a, &b], &rq) } else { s };
+        assert_eq!(s, Status::NF_SUCCESS);
+        assert!(back[..size / 2] == src[size / 2..] && back[size / 2..] == src[..size / 2], "bytes differ after the READ");
         let net = a.rail_counters(0).unwrap().bytes;
         if shm {
             assert_eq!(net, 0, "network rail carried data for a same-process peer");
             assert_eq!(a.rail_counters(1).unwrap().bytes, 0, "shm rail carried data for a same-process peer");
             assert_eq!(a.counters().bytes_written, size as u64);
+            assert_eq!(a.counters().bytes_read, size as u64);
         } else {
-            assert_eq!(net, size as u64);
+            assert_eq!(net, 2 * size as u64);
         }
     }
 }

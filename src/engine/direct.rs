@@ -386,6 +386,11 @@ impl Driver {
         let bytes: u64 = dev.iter().chain(&copies).map(|c| c.2 as u64).sum();
         st.next = end;
         let Some(ctx) = ctx else {
+            // Host memory at both ends: a large run goes over the copy threads as well.
+            if bytes >= super::cma_copy::POOL_MIN_BYTES && self.core.cfg.cma_copy {
+                let ranges = req.segs[first..end].iter().map(|s| (s.local, s.raddr, s.len as usize)).collect();
+                return self.spread_copies(req, st, super::cma_copy::THIS_PROCESS, ranges);
+            }
             for (d, s, n) in copies.into_iter().chain(dev) {
                 // SAFETY: both ranges lie in live registrations of engines of this process
                 // (bounds-checked at preparation, the peer's checked to exist at post);
