@@ -119,18 +119,6 @@ impl Context {
         self.make_current()
     }
 
-    /// Puts back on the calling thread what [`current`](Self::current) returned earlier
-    /// (None: no context), after code that borrowed a caller's thread made its own current.
-    /// Forgets the thread's cache, since the caller may switch contexts again at will.
-    pub fn restore(prev: Option<Context>) -> Result<()> {
-        let d = Driver::get()?;
-        Context::forget_thread_cache();
-        let raw = prev.map_or(std::ptr::null_mut(), |c| c.0);
-        // SAFETY: raw is null (pops what we set: the thread had no context) or a handle
-        // cuCtxGetCurrent gave on this thread, which the caller still holds.
-        d.check("cuCtxSetCurrent", unsafe { (d.f.ctx_set_current)(raw) })
-    }
-
     /// Drops this thread's record, so the next [`make_current_cached`] asks the driver.
     pub fn forget_thread_cache() {
         LAST_SET.with(|c| c.set((0, u64::MAX)));

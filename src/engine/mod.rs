@@ -701,33 +701,14 @@ impl Engine {
     /// One progress pass on the caller's thread, if allowed (config caller_progress; no
     /// CUDA contexts registered) and no other thread holds the rails. Returns whether it ran.
     fn caller_pass(&self) -> bool {
-        if !self.core.cfg.caller_progress {
-            return false;
-        }
-        // A pass makes the captured CUDA contexts current on the thread that runs it; the
-        // caller's thread is not ours to change, so its own context is put back after.
-        // (Under the seed regression switch only the progress thread's passes are meant
-        // to run, without re-applying.)
-        let gpu = self.core.gpu.has_contexts();
-        if gpu && self.core.skip_ctx_apply {
+        // A pass makes the captured CUDA context current on the thread that runs it, and
+        // the caller's thread is not ours to change.
+        if !self.core.cfg.caller_progress || self.core.gpu.has_contexts() {
             return false;
         }
         let Ok(mut d) = self.driver.try_lock() else { return false };
-        let saved = match gpu.then(crate::cuda::Context::current) {
-            None => None,
-            Some(Ok(c)) => Some(c),
-            Some(Err(_)) => return false,
-        };
-        if gpu {
-            crate::cuda::Context::forget_thread_cache();
-        }
         d.pass();
         drop(d);
-        if let Some(prev) = saved {
-            if let Err(e) = crate::cuda::Context::restore(prev) {
-                log::error!("{}: putting the caller's CUDA context back after a pass: {e}", self.core.name);
-            }
-        }
         self.core.note_caller_pass();
         true
     }
