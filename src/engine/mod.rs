@@ -168,8 +168,9 @@ impl Engine {
             None
         };
         log::info!(
-            "{name}: engine {engine_id:016x} up with {count} rail(s) on {}; progress thread {}",
+            "{name}: engine {engine_id:016x} up with {count} rail(s) on {} (libfabric {}); progress thread {}",
             specs[0].prov_name,
+            crate::fabric::library_version(),
             if threaded { "on" } else { "off" }
         );
         Ok(Arc::new(Engine {
