@@ -520,6 +520,13 @@ impl Engine {
             }
         }
         let stripe = self.core.cfg.striping_threshold.max(1);
+        // Descriptors below the striping threshold go to the rails in contiguous runs (the
+        // first 1/n of them on one rail, the next on the next, starting where the previous
+        // request left off): consecutive segments on one rail ride in one RMA operation, and
+        // alternating rails per descriptor broke that (H200 host, tcp, 4096 x 4 KiB WRITE:
+        // 1.37 GB/s on one rail, 0.55 on two).
+        let rr_base = self.rr.fetch_add(1, Ordering::Relaxed);
+        let count = pairs.len();
         let mut segs = Vec::with_capacity(pairs.len());
         let mut keeps: Vec<direct::Keep> = Vec::new();
         for (i, p) in pairs.iter().enumerate() {
@@ -575,7 +582,7 @@ impl Engine {
                     }
                     let n = route.len();
                     let pieces = if ll >= stripe && n > 1 { n as u64 } else { 1 };
-                    let first = if pieces == 1 { self.rr.fetch_add(1, Ordering::Relaxed) % n } else { 0 };
+                    let first = if pieces == 1 { (rr_base + i * n / count) % n } else { 0 };
                     let piece = ll.div_ceil(pieces).next_multiple_of(4096);
                     let mut off = 0;
                     let mut j = 0;
