@@ -96,6 +96,7 @@ fn same_host_peers_use_the_shm_rail() {
     for shm in [true, false] {
         let mut c = cfg("tcp", true);
         c.set("same_host_shm", if shm { "true" } else { "false" }).unwrap();
+        c.set("rails", "1").unwrap();
         let a = Engine::new("a", c.clone()).unwrap();
         let b = Engine::new("b", c).unwrap();
         assert_eq!(a.rail_count(), if shm { 2 } else { 1 });
