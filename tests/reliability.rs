@@ -354,3 +354,38 @@ fn eight_threads_two_peers_progress_thread() {
 fn eight_threads_two_peers_no_progress_thread() {
     many_threads(false);
 }
+
+/// A process killed with its shm endpoint open leaves its region in /dev/shm, named after
+/// its pid on libfabric 2.x; a later process with the same pid must still open its shm rail.
+/// The child plays the later process: it plants a region under its own pid's name first.
+#[test]
+fn child_with_a_stale_shm_region() {
+    if std::env::var("NF_CHILD_STALE_SHM").is_err() {
+        return;
+    }
+    let pid = std::process::id();
+    for ep in 0..2 {
+        let _ = std::fs::write(format!("/dev/shm/{pid}:0:{ep}"), b"left by a killed process");
+    }
+    let mut c = Config::defaults();
+    c.set("provider", "shm").unwrap();
+    c.same_host_shm = false;
+    match Engine::new("stale", c) {
+        Ok(_) => println!("STALE-OK"),
+        Err(e) => println!("STALE-ERR {e}"),
+    }
+    for ep in 0..2 {
+        let _ = std::fs::remove_file(format!("/dev/shm/{pid}:0:{ep}"));
+    }
+}
+
+#[test]
+fn shm_rail_opens_over_a_region_left_by_a_dead_process_with_the_same_pid() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_with_a_stale_shm_region", "--nocapture", "--test-threads=1"])
+        .env("NF_CHILD_STALE_SHM", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("STALE-OK"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -117,12 +117,33 @@ impl Endpoint {
         if ret != 0 {
             return Err(fab_err("fi_ep_bind(av)", Some(rail), ret as i64));
         }
+        ep.remove_stale_shm_region(rail);
         // SAFETY: ep is bound and ready to enable.
         let ret = unsafe { sys::nf_fi_enable(ep.raw) };
         if ret != 0 {
             return Err(fab_err("fi_enable", Some(rail), ret as i64));
         }
         Ok(ep)
+    }
+
+    /// libfabric's shm (1.17 and 2.x) names an endpoint's region after the process id
+    /// ("fi_shm://<pid>:<domain>:<ep>", a file in /dev/shm) and will not enable over an
+    /// existing one (EBUSY). A process killed before closing its endpoints leaves its
+    /// regions behind, and a later process that gets the same pid could not open its shm
+    /// rail. Before enabling, a region under this endpoint's name is such a leftover (the
+    /// provider gives each live endpoint of this process its own name, and this one is not
+    /// enabled yet), so it is removed.
+    fn remove_stale_shm_region(&self, rail: usize) {
+        let Ok(raw) = self.name(rail) else { return };
+        let text = String::from_utf8_lossy(&raw);
+        let Some(name) = text.trim_end_matches('\0').strip_prefix("fi_shm://") else { return };
+        if name.is_empty() || name.contains('/') || !name.starts_with(&format!("{}:", std::process::id())) {
+            return;
+        }
+        let path = std::path::Path::new("/dev/shm").join(name);
+        if std::fs::remove_file(&path).is_ok() {
+            log::warn!("rail {rail}: removed {}, left by an exited process with this pid (it would keep the shm endpoint from opening)", path.display());
+        }
     }
 
     pub(crate) fn name(&self, rail: usize) -> Result<Vec<u8>> {
