@@ -75,6 +75,8 @@ tunables! {
         "direct copies of many small device-to-device ranges (KV blocks) run as one kernel launch per up to 1364 ranges instead of one copy-engine operation each; off uses cuMemcpyBatchAsync, else one cuMemcpyAsync per range";
     pin_host_memory: bool = Bool, "true", "NIXL_FABRIC_PIN_HOST_MEMORY",
         "host memory that takes part in direct GPU copies (IPC or between engines of one process) is page-locked on first use (cuMemHostRegister), so the copies run at full bus speed; memory that is already pinned is used as it is";
+    rail_threads: bool = Bool, "true", "NIXL_FABRIC_RAIL_THREADS",
+        "with two or more tcp/sockets rails and the progress thread on, every rail after the first gets a thread that drives the provider's progress on it, so striped transfers move over the connections at once; off: the progress thread drives every rail";
     cma_copy: bool = Bool, "true", "NIXL_FABRIC_CMA_COPY",
         "host memory of a same-host peer process that this process may access (cross-memory attach; needs same_host_shm) is written and read directly with process_vm_writev/readv, many descriptors per call and large requests split over copy threads, instead of through the shm rail; also spreads host-to-host copies of 2 MiB and more between engines of one process over the copy threads";
     cma_threads: u64 = U64, "0", "NIXL_FABRIC_CMA_THREADS",
@@ -188,6 +190,7 @@ impl Config {
             gpu_ipc: true,
             gpu_copy_kernel: true,
             pin_host_memory: true,
+            rail_threads: true,
             cma_copy: true,
             cma_threads: 0,
             staging_buffer_size: 0,

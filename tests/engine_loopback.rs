@@ -176,3 +176,53 @@ fn kv_batch_over_two_rails_goes_in_runs() {
     a.shutdown();
     b.shutdown();
 }
+
+/// Four tcp rails with rail threads (each rail after the first progressed by its own
+/// thread): large striped WRITEs and READs and a KV batch, repeated, byte-exact, and the
+/// same with the threads off.
+#[test]
+fn striped_transfers_over_four_rails_with_rail_threads() {
+    nixl_fabric::logging::init();
+    for threads in ["true", "false"] {
+        let mut c = cfg("tcp", true);
+        c.set("rails", "4").unwrap();
+        c.set("rail_threads", threads).unwrap();
+        let a = Engine::new("a", c.clone()).unwrap();
+        let b = Engine::new("b", c).unwrap();
+        a.load_conn_info("b", b.conn_info()).unwrap();
+        b.load_conn_info("a", a.conn_info()).unwrap();
+        const SIZE: usize = 32 << 20;
+        let src: Vec<u8> = (0..SIZE).map(|i| (i * 29 + 7) as u8).collect();
+        let dst = vec![0u8; SIZE];
+        let back = vec![0u8; SIZE];
+        let ms = a.register(src.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+        let mb = a.register(back.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+        let md = b.register(dst.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+        let rd = a.load_remote("b", &b.public_data(&md).unwrap()).unwrap();
+        let w = a.prepare(Op::Write, &[Pair { local: (src.as_ptr() as u64, SIZE as u64, &ms), remote: (dst.as_ptr() as u64, SIZE as u64, &rd) }], "b").unwrap();
+        let r = a.prepare(Op::Read, &[Pair { local: (back.as_ptr() as u64, SIZE as u64, &mb), remote: (dst.as_ptr() as u64, SIZE as u64, &rd) }], "b").unwrap();
+        let kv_pairs: Vec<Pair> = (0..1024)
+            .map(|i| Pair { local: (back.as_ptr() as u64 + i * 16384, 16384, &mb), remote: (dst.as_ptr() as u64 + (1023 - i) * 16384, 16384, &rd) })
+            .collect();
+        let kv = a.prepare(Op::Read, &kv_pairs, "b").unwrap();
+        for round in 0..3 {
+            for req in [&w, &r] {
+                let s = a.post(req, None).unwrap();
+                let s = if s == Status::NF_IN_PROG { wait(&[&a, &b], req) } else { s };
+                assert_eq!(s, Status::NF_SUCCESS, "rail_threads={threads} round {round}");
+            }
+            assert!(dst == src && back == src, "rail_threads={threads} round {round}: bytes differ");
+            let s = a.post(&kv, None).unwrap();
+            let s = if s == Status::NF_IN_PROG { wait(&[&a, &b], &kv) } else { s };
+            assert_eq!(s, Status::NF_SUCCESS);
+            for i in 0..1024usize {
+                assert!(back[i * 16384..(i + 1) * 16384] == src[(1023 - i) * 16384..(1024 - i) * 16384], "kv block {i}");
+            }
+        }
+        let used = (0..4).filter(|&i| a.rail_counters(i).unwrap().bytes > 0).count();
+        assert_eq!(used, 4, "every rail carried data");
+        drop((w, r, kv, rd, ms, mb, md));
+        a.shutdown();
+        b.shutdown();
+    }
+}

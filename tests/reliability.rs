@@ -39,7 +39,11 @@ fn child_target() {
     let Ok(size) = std::env::var("NF_CHILD_TARGET") else { return };
     let size: usize = size.parse().unwrap();
     let shm = std::env::var("NF_CHILD_SHM").is_ok_and(|v| v == "1");
-    let e = Engine::new("victim", cfg_with(true, 5000, shm)).unwrap();
+    let mut c = cfg_with(true, 5000, shm);
+    if let Ok(r) = std::env::var("NF_CHILD_RAILS") {
+        c.set("rails", &r).unwrap();
+    }
+    let e = Engine::new("victim", c).unwrap();
     let buf = vec![0u8; size];
     let m = e.register(buf.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
     let out = format!("READY {} {} {}\n", hex(e.conn_info()), hex(&e.public_data(&m).unwrap()), buf.as_ptr() as u64);
@@ -58,10 +62,16 @@ struct Victim {
 }
 
 fn spawn_victim(size: usize, shm: bool) -> Victim {
+    spawn_victim_with(size, shm, 0)
+}
+
+/// `rails`: the victim's rail count (0: the default).
+fn spawn_victim_with(size: usize, shm: bool, rails: u32) -> Victim {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child_target", "--nocapture", "--test-threads=1"])
         .env("NF_CHILD_TARGET", size.to_string())
         .env("NF_CHILD_SHM", if shm { "1" } else { "0" })
+        .env("NF_CHILD_RAILS", rails.to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -118,12 +128,29 @@ fn dead_same_host_peer_over_shm_fails_fast_and_spares_the_others() {
     dead_peer(true);
 }
 
+/// Over three tcp rails on both sides, the second and third driven by rail threads: their
+/// completions (the errors of the dead connection among them) reach the driver.
+#[test]
+fn dead_peer_over_three_tcp_rails_with_rail_threads() {
+    dead_peer_with(false, 3);
+}
+
 fn dead_peer(shm: bool) {
+    dead_peer_with(shm, 0)
+}
+
+fn dead_peer_with(shm: bool, rails: u32) {
     const SIZE: usize = 256 << 20;
     const PIECE: usize = 32 << 20;
     nixl_fabric::logging::init();
     let timeout_ms = 2000;
-    let cfg = |t| cfg_with(true, t, shm);
+    let cfg = |t| {
+        let mut c = cfg_with(true, t, shm);
+        if rails > 0 {
+            c.set("rails", &rails.to_string()).unwrap();
+        }
+        c
+    };
     let e = Engine::new("survivor", cfg(timeout_ms)).unwrap();
     let src = vec![5u8; SIZE];
     let lm = e.register(src.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
@@ -134,7 +161,7 @@ fn dead_peer(shm: bool) {
     e.load_conn_info("bystander", other.conn_info()).unwrap();
     let orm = e.load_remote("bystander", &other.public_data(&om).unwrap()).unwrap();
 
-    let mut v = spawn_victim(SIZE, shm);
+    let mut v = spawn_victim_with(SIZE, shm, rails);
     e.load_conn_info("victim", &v.conn).unwrap();
     let rm = e.load_remote("victim", &v.desc).unwrap();
     let reqs: Vec<_> = (0..SIZE / PIECE).map(|i| write_req(&e, "victim", &src, &lm, v.addr, &rm, PIECE, i * PIECE)).collect();
@@ -176,7 +203,7 @@ fn dead_peer(shm: bool) {
     }
     drop((late, rm));
     // A restarted peer under the same name is loaded again and used.
-    let mut v2 = spawn_victim(SIZE, shm);
+    let mut v2 = spawn_victim_with(SIZE, shm, rails);
     e.load_conn_info("victim", &v2.conn).unwrap();
     let rm2 = e.load_remote("victim", &v2.desc).unwrap();
     let again = write_req(&e, "victim", &src, &lm, v2.addr, &rm2, PIECE, 0);

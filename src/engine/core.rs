@@ -39,6 +39,9 @@ pub struct Core {
     /// The progress thread is (about to be) asleep and needs a write to `wake_fd`.
     sleeping: AtomicBool,
     pub wake_fd: i32,
+    /// Rail threads wait here while the progress thread sleeps (see rail_threads).
+    rail_gate: (Mutex<()>, std::sync::Condvar),
+    rail_threads: AtomicBool,
     /// When a caller last made a progress pass itself (ns since `born`; 0 = never), and
     /// the gap to the pass before it.
     caller_pass_ns: AtomicU64,
@@ -70,6 +73,8 @@ impl Core {
             pending: AtomicBool::new(false),
             sleeping: AtomicBool::new(false),
             wake_fd,
+            rail_gate: (Mutex::new(()), std::sync::Condvar::new()),
+            rail_threads: AtomicBool::new(false),
             caller_pass_ns: AtomicU64::new(0),
             caller_gap_ns: AtomicU64::new(u64::MAX),
             born: Instant::now(),
@@ -128,6 +133,28 @@ impl Core {
 
     pub fn set_sleeping(&self, v: bool) {
         self.sleeping.store(v, Ordering::SeqCst);
+        if !v && self.rail_threads.load(Ordering::Relaxed) {
+            self.rail_gate.1.notify_all();
+        }
+    }
+
+    /// Rail threads exist: waking the progress thread wakes them too.
+    pub fn note_rail_threads(&self) {
+        self.rail_threads.store(true, Ordering::Relaxed);
+    }
+
+    /// A rail thread's pause while the progress thread sleeps (no traffic): until it wakes,
+    /// at most `max`. Returns at once when it is awake.
+    pub fn wait_while_sleeping(&self, max: std::time::Duration) {
+        if !self.sleeping.load(Ordering::SeqCst) {
+            return;
+        }
+        let g = self.rail_gate.0.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = self.rail_gate.1.wait_timeout(g, max);
+    }
+
+    pub fn is_sleeping(&self) -> bool {
+        self.sleeping.load(Ordering::SeqCst)
     }
 
     pub fn clear_wake(&self) {

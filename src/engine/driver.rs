@@ -134,7 +134,7 @@ pub enum Idle {
 
 pub struct Driver {
     // Field order is drop order: endpoints close before the buffers they may write into.
-    pub(super) rails: Vec<Rail>,
+    pub(super) rails: Vec<Arc<Rail>>,
     pub(super) ops: OpPool,
     pub(super) staging: Staging,
     pub(super) direct: super::direct::Direct,
@@ -171,7 +171,7 @@ pub struct Driver {
 }
 
 impl Driver {
-    pub fn new(core: Arc<Core>, rails: Vec<Rail>) -> Result<Driver> {
+    pub fn new(core: Arc<Core>, rails: Vec<Arc<Rail>>) -> Result<Driver> {
         let cfg = &core.cfg;
         let size = cfg.max_notif_size as usize + wire::CTRL_HEADER + wire::MAX_NAME_LEN + 4096;
         let nrecv = (cfg.ctrl_recv_count as usize).min(rails[0].caps.rx_size.max(1));

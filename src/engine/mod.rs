@@ -14,6 +14,7 @@ mod local_peers;
 mod ops;
 mod peer;
 mod progress;
+mod rail_threads;
 mod registry;
 mod request;
 mod staging;
@@ -56,6 +57,7 @@ pub struct Engine {
     core: Arc<Core>,
     driver: Arc<Mutex<Driver>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    rail_threads: Mutex<rail_threads::RailThreads>,
     stop: Arc<AtomicBool>,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     shapes: Vec<RailShape>,
@@ -180,6 +182,13 @@ impl Engine {
         let closeq: SharedCloseQueue = Arc::new(Mutex::new(CloseQueue::default()));
         let threaded = cfg.progress_thread;
         let core = Arc::new(Core::new(name, engine_id, cfg, conn.encode(), rails.len(), closeq, view));
+        let rails: Vec<Arc<Rail>> = rails.into_iter().map(Arc::new).collect();
+        // Rail threads: tcp/sockets rails after the first, with the progress thread on.
+        let threaded_rails: Vec<Arc<Rail>> = if threaded && core.cfg.rail_threads && auto_socket_rails(&specs[0].prov_name, 1).is_some() {
+            rails.iter().take(count).skip(1).cloned().collect()
+        } else {
+            Vec::new()
+        };
         let driver = Arc::new(Mutex::new(Driver::new(core.clone(), rails)?));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = if threaded {
@@ -187,6 +196,8 @@ impl Engine {
         } else {
             None
         };
+        let rail_threads = rail_threads::RailThreads::start(&core, &threaded_rails);
+        drop(threaded_rails);
         log::info!(
             "{name}: engine {engine_id:016x} up with {count} rail(s) on {} (libfabric {}); progress thread {}",
             specs[0].prov_name,
@@ -197,6 +208,7 @@ impl Engine {
             core,
             driver,
             thread: Mutex::new(thread),
+            rail_threads: Mutex::new(rail_threads),
             stop,
             peers: Mutex::new(HashMap::new()),
             shapes,
@@ -844,6 +856,7 @@ impl Engine {
                 log::error!("{}: progress thread panicked", self.core.name);
             }
         }
+        self.rail_threads.lock().unwrap_or_else(|p| p.into_inner()).stop(&self.core);
         let mut d = self.lock_driver();
         // Give queued control messages (a last notification) a brief, bounded chance.
         let deadline = Instant::now() + Duration::from_millis(200);

@@ -31,7 +31,7 @@ pub struct Stager {
 }
 
 impl Stager {
-    pub fn new(owner: &str, ctx: &cuda::Context, rails: &[Rail], size: usize, chunk: usize, next_key: &mut u64) -> Result<Stager> {
+    pub fn new(owner: &str, ctx: &cuda::Context, rails: &[Arc<Rail>], size: usize, chunk: usize, next_key: &mut u64) -> Result<Stager> {
         let chunk = chunk.clamp(4096, size.max(4096));
         let n = (size / chunk).max(2);
         let buf = cuda::PinnedBuffer::new(ctx, n * chunk)?;

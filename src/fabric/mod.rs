@@ -5,6 +5,7 @@ mod sys;
 mod info;
 mod resources;
 mod rail;
+mod domain_lock;
 
 pub use info::{discover, provider_list, ProviderSummary, RailSpec};
 pub use rail::{Completion, CqError, MemoryRegion, Posted, Rail, RailCaps, RmaSeg, MAX_RMA_BATCH};

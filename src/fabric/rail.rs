@@ -1,11 +1,13 @@
 //! A rail: one fabric/domain/endpoint/CQ/AV, with the settings negotiated for it and the
 //! data-path calls the engine makes on it.
+use super::domain_lock::DomainLock;
 use super::resources::{Av, Cq, Domain, Endpoint, Fabric};
 use super::{fab_err, library_major, strerror, sys, FiAddr, RailSpec};
 use crate::config::parse_bool;
 use crate::error::{Error, Result};
+use std::collections::VecDeque;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// What the provider granted for this rail (from the fi_info it returned).
 #[derive(Clone, Debug)]
@@ -84,6 +86,7 @@ pub struct MemoryRegion {
     pub desc: *mut c_void,
     pub key: u64,
     _domain: Arc<Domain>,
+    calls: Arc<DomainLock>,
 }
 // SAFETY: desc and key are plain values readable anywhere; close happens on drop by the
 // rail's owner.
@@ -91,6 +94,7 @@ unsafe impl Send for MemoryRegion {}
 unsafe impl Sync for MemoryRegion {}
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
+        let _domain = self.calls.lock();
         // SAFETY: raw is a live MR closed exactly once.
         let ret = unsafe { sys::nf_fi_close(&mut (*self.raw).fid) };
         if ret != 0 {
@@ -110,11 +114,17 @@ pub struct Rail {
     domain: Arc<Domain>,
     fabric: Arc<Fabric>,
     wait_fd: Option<i32>,
+    /// Held for every call into the provider on this rail's objects (and its MRs').
+    calls: Arc<DomainLock>,
+    /// Completions a rail thread read, waiting for the driver (oldest first).
+    stash: Mutex<VecDeque<std::result::Result<Completion, CqError>>>,
     _spec: RailSpec,
 }
 
-// SAFETY: a rail is only used by its single owner at a time (engine rule 3); the
-// provider objects themselves may move between threads.
+// SAFETY: every provider call on the rail's objects holds `calls`, so the domain sees one
+// thread at a time (FI_THREAD_DOMAIN) whichever thread the driver or a rail thread runs on;
+// the stash's raw contexts are only dereferenced by the driver. The provider objects
+// themselves may move between threads.
 unsafe impl Send for Rail {}
 unsafe impl Sync for Rail {}
 
@@ -213,7 +223,7 @@ impl Rail {
             caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw, caps.sync_rma, caps.rma_batch,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
-        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, _spec: spec })
+        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, calls: Arc::default(), stash: Mutex::default(), _spec: spec })
     }
 
     /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
@@ -222,6 +232,7 @@ impl Rail {
         let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
         let (iface, dev) = hmem.map_or((0, 0), |(i, d)| (i as i32, d));
         let mut raw = std::ptr::null_mut();
+        let _domain = self.calls.lock();
         // SAFETY: domain is live; the shim builds the attribute struct for this call only.
         let ret = unsafe { sys::nf_fi_mr_reg_buf(self.domain.raw, addr as *mut c_void, len, access, key, iface, dev, &mut raw) };
         if ret != 0 {
@@ -229,11 +240,12 @@ impl Rail {
         }
         // SAFETY: raw is a live MR.
         let (desc, key) = unsafe { (sys::nf_fi_mr_desc(raw), sys::nf_fi_mr_key(raw)) };
-        Ok(MemoryRegion { raw, desc, key, _domain: self.domain.clone() })
+        Ok(MemoryRegion { raw, desc, key, _domain: self.domain.clone(), calls: self.calls.clone() })
     }
 
     pub fn av_insert(&self, addr: &[u8]) -> Result<FiAddr> {
         let mut out: FiAddr = u64::MAX;
+        let _domain = self.calls.lock();
         // SAFETY: addr holds one provider address in the format of this rail.
         let ret = unsafe { sys::nf_fi_av_insert(self.av.raw, addr.as_ptr() as *const c_void, 1, &mut out, 0) };
         if ret != 1 {
@@ -246,6 +258,7 @@ impl Rail {
         if self.caps.keep_av_entries {
             return;
         }
+        let _domain = self.calls.lock();
         // SAFETY: a was returned by av_insert on this AV.
         let ret = unsafe { sys::nf_fi_av_remove(self.av.raw, &mut a, 1) };
         if ret != 0 {
@@ -311,6 +324,7 @@ impl Rail {
         if more {
             flags |= sys::FI_MORE as u64;
         }
+        let _domain = self.calls.lock();
         // SAFETY: msg and the arrays it points to live for the call (the caller's stack);
         // the provider copies them. Every buffer and ctx stay valid until the completion
         // (engine invariant).
@@ -342,19 +356,80 @@ impl Rail {
     }
 
     pub fn send(&self, buf: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
+        let _domain = self.calls.lock();
         // SAFETY: buf stays valid until the send completes (engine invariant).
         let ret = unsafe { sys::nf_fi_send(self.ep.raw, buf as *const c_void, len, desc, dest, ctx) };
         self.posted(ret, "fi_send")
     }
 
     pub fn recv(&self, buf: *mut u8, len: usize, desc: *mut c_void, ctx: *mut c_void) -> Result<Posted> {
+        let _domain = self.calls.lock();
         // SAFETY: buf stays valid until the receive completes or the rail closes.
         let ret = unsafe { sys::nf_fi_recv(self.ep.raw, buf as *mut c_void, len, desc, u64::MAX, ctx) };
         self.posted(ret, "fi_recv")
     }
 
-    /// Reads up to `out.len()` completions; an error entry is returned as `Err`.
+    /// Reads up to `out.len()` completions; an error entry is returned as `Err`. What a
+    /// rail thread read first comes first; while one is inside the provider, only that.
     pub fn poll(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+        let n = self.take_stashed(out)?;
+        if n > 0 {
+            return Ok(n);
+        }
+        let Some(_domain) = self.calls.try_lock() else { return Ok(0) };
+        self.read_cq(out)
+    }
+
+    /// Moves stashed completions into `out`; a stashed error comes back alone.
+    fn take_stashed(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+        let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
+        let mut n = 0;
+        while n < out.len() {
+            match stash.front() {
+                Some(Ok(c)) => {
+                    out[n] = *c;
+                    n += 1;
+                    stash.pop_front();
+                }
+                Some(Err(_)) if n == 0 => {
+                    if let Some(Err(e)) = stash.pop_front() {
+                        return Err(e);
+                    }
+                }
+                _ => break,
+            }
+        }
+        Ok(n)
+    }
+
+    /// A rail thread's turn: drives the provider's progress on this rail (over tcp: the
+    /// socket reads and writes of its transfers) by reading its CQ, and keeps what it read
+    /// for the driver. Steps aside while the driver waits for the domain. Returns how many
+    /// entries it kept.
+    pub fn progress_for_driver(&self) -> usize {
+        let Some(_domain) = self.calls.try_lock_yielding() else { return 0 };
+        let mut buf = [Completion { ctx: std::ptr::null_mut(), flags: 0, len: 0 }; 64];
+        let got = self.read_cq(&mut buf);
+        let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
+        match got {
+            Ok(n) => {
+                stash.extend(buf[..n].iter().map(|c| Ok(*c)));
+                n
+            }
+            Err(e) => {
+                stash.push_back(Err(e));
+                1
+            }
+        }
+    }
+
+    /// Whether a rail thread left completions for the driver.
+    pub fn has_stashed(&self) -> bool {
+        !self.stash.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    }
+
+    /// One fi_cq_read into `out` (the caller holds `calls`).
+    fn read_cq(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
         const N: usize = 64;
         let mut raw: [sys::fi_cq_msg_entry; N] = unsafe { std::mem::zeroed() };
         let n = out.len().min(N);
@@ -391,6 +466,10 @@ impl Rail {
     /// (fi_trywait succeeded).
     pub fn wait_fd_if_idle(&self) -> Option<i32> {
         let fd = self.wait_fd?;
+        if self.has_stashed() {
+            return None;
+        }
+        let _domain = self.calls.lock();
         // SAFETY: fabric and cq are live.
         let ret = unsafe { sys::nf_fi_trywait_cq(self.fabric.raw, self.cq.raw) };
         (ret == 0).then_some(fd)
