@@ -167,7 +167,7 @@ impl VmmMapping {
         let import = d.opt(v.import, "cuMemImportFromShareableHandle")?;
         let reserve = d.opt(v.address_reserve, "cuMemAddressReserve")?;
         let map = d.opt(v.map, "cuMemMap")?;
-        let set_access = d.opt(v.set_access, "cuMemSetAccess")?;
+        d.opt(v.set_access, "cuMemSetAccess")?;
         d.opt(v.unmap, "cuMemUnmap")?;
         d.opt(v.mem_release, "cuMemRelease")?;
         d.opt(v.address_free, "cuMemAddressFree")?;
@@ -205,12 +205,8 @@ impl VmmMapping {
             d.check("cuMemMap", unsafe { map(base + off, len as usize, 0, h, 0) })?;
             m.mapped.push((off, len));
         }
-        let desc = CUmemAccessDesc {
-            location: CUmemLocation { kind: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
-            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the whole range is mapped (every chunk above); desc is one live entry.
-        d.check("cuMemSetAccess", unsafe { set_access(base, total as usize, &desc, 1) })?;
+        // the whole range is mapped (every chunk above)
+        grant_read_write(d, base, total, dev)?;
         Ok(m)
     }
 
@@ -293,7 +289,7 @@ impl VmmBuffer {
         let create = d.opt(v.mem_create, "cuMemCreate")?;
         let reserve = d.opt(v.address_reserve, "cuMemAddressReserve")?;
         let map = d.opt(v.map, "cuMemMap")?;
-        let set_access = d.opt(v.set_access, "cuMemSetAccess")?;
+        d.opt(v.set_access, "cuMemSetAccess")?;
         d.opt(v.unmap, "cuMemUnmap")?;
         d.opt(v.mem_release, "cuMemRelease")?;
         d.opt(v.address_free, "cuMemAddressFree")?;
@@ -313,12 +309,7 @@ impl VmmBuffer {
             // SAFETY: the chunk's place lies inside our reservation and is not mapped.
             d.check("cuMemMap", unsafe { map(base + i * chunk_len, chunk_len as usize, 0, h, 0) })?;
         }
-        let desc = CUmemAccessDesc {
-            location: CUmemLocation { kind: CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
-            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the whole range is mapped; desc is one live entry.
-        d.check("cuMemSetAccess", unsafe { set_access(base, len as usize, &desc, 1) })?;
+        grant_read_write(d, base, len, ordinal)?;
         Ok(b)
     }
 
@@ -373,4 +364,15 @@ impl Drop for VmmBuffer {
 fn _assert_layouts() {
     const _: () = assert!(std::mem::size_of::<CUmemAllocationProp>() == 32);
     const _: () = assert!(std::mem::size_of::<CUmemAccessDesc>() == 12);
+}
+
+/// Lets device `dev` read and write `[base, +len)`, every byte of which is mapped.
+fn grant_read_write(d: &Driver, base: u64, len: u64, dev: i32) -> Result<()> {
+    let set_access = d.opt(d.f.vmm.set_access, "cuMemSetAccess")?;
+    let desc = CUmemAccessDesc {
+        location: CUmemLocation { kind: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+        flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: the caller mapped the whole range; desc is one live entry.
+    d.check("cuMemSetAccess", unsafe { set_access(base, len as usize, &desc, 1) })
 }
