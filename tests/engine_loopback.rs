@@ -226,3 +226,44 @@ fn striped_transfers_over_four_rails_with_rail_threads() {
         b.shutdown();
     }
 }
+
+/// Not a check: a load for profiling the tcp data path (issue 13). 64 MiB WRITEs (or READs,
+/// NF_PROFILE_OP=read) striped over NF_PROFILE_RAILS tcp rails (default 4) for
+/// NF_PROFILE_SECS (default 5) seconds, between two engines of this process; the waiting
+/// thread only sleeps (caller_progress off), so every provider call runs on the engines'
+/// own threads. Run: `perf record -g target/release/deps/engine_loopback-* --ignored
+/// tcp_transfer_loop_for_profiling`, then `perf report --sort comm,dso,sym`.
+#[test]
+#[ignore = "a profiling load, not a test"]
+fn tcp_transfer_loop_for_profiling() {
+    let env = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let rails = env("NF_PROFILE_RAILS", 4);
+    let secs = env("NF_PROFILE_SECS", 5);
+    let op = if std::env::var("NF_PROFILE_OP").is_ok_and(|v| v == "read") { Op::Read } else { Op::Write };
+    let mut c = cfg("tcp", true);
+    c.set("rails", &rails.to_string()).unwrap();
+    c.set("caller_progress", "false").unwrap();
+    let a = Engine::new("a", c.clone()).unwrap();
+    let b = Engine::new("b", c).unwrap();
+    a.load_conn_info("b", b.conn_info()).unwrap();
+    b.load_conn_info("a", a.conn_info()).unwrap();
+    const SIZE: usize = 64 << 20;
+    let src = vec![1u8; SIZE];
+    let dst = vec![0u8; SIZE];
+    let ms = a.register(src.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+    let md = b.register(dst.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
+    let rd = a.load_remote("b", &b.public_data(&md).unwrap()).unwrap();
+    let req = a.prepare(op, &[Pair { local: (src.as_ptr() as u64, SIZE as u64, &ms), remote: (dst.as_ptr() as u64, SIZE as u64, &rd) }], "b").unwrap();
+    let t0 = Instant::now();
+    let mut n = 0u64;
+    while t0.elapsed() < Duration::from_secs(secs) {
+        assert_ne!(a.post(&req, None).unwrap(), Status::NF_ERR_REPOST_ACTIVE);
+        while a.check(&req) == Status::NF_IN_PROG {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        assert_eq!(a.check(&req), Status::NF_SUCCESS);
+        n += 1;
+    }
+    println!("{n} x 64 MiB {op:?} over {rails} rail(s): {:.2} GB/s", (n * SIZE as u64) as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    drop((req, rd, ms, md));
+}
