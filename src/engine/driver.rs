@@ -545,6 +545,11 @@ impl Driver {
 
     pub fn disconnect(&mut self, peer_id: u64) {
         let engine_id = self.conns.get(&peer_id).map(|c| c.peer.info.engine_id);
+        // Drain shm's completions while the peer is still in the AV: libfabric's shm unmaps
+        // a peer's region in fi_av_remove, and a CQ read after that could still reach it
+        // (the C harness crashed in pthread_spin_trylock under fi_cq_read at engine destroy
+        // on 1.17, after a child peer had exited).
+        self.reclaim_inline_ops(peer_id);
         if let Some(c) = self.conns.remove(&peer_id) {
             for (l, row) in c.addrs.iter().enumerate() {
                 for a in row.iter().flatten() {
@@ -554,7 +559,6 @@ impl Driver {
             log::info!("{}: disconnected from agent '{}'", self.core.name, c.peer.name);
         }
         self.ctrl_out.retain(|m| m.peer_id != peer_id);
-        self.reclaim_inline_ops(peer_id);
         if let Some(id) = engine_id {
             self.drain_direct(peer_id, id);
         }
