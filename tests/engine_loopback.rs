@@ -267,3 +267,89 @@ fn tcp_transfer_loop_for_profiling() {
     println!("{n} x 64 MiB {op:?} over {rails} rail(s): {:.2} GB/s", (n * SIZE as u64) as f64 / t0.elapsed().as_secs_f64() / 1e9);
     drop((req, rd, ms, md));
 }
+
+fn pool_cfg(timeout_ms: u64) -> nixl_fabric::config::Config {
+    let mut c = cfg("tcp", true);
+    c.set("same_host_shm", "true").unwrap();
+    c.set("rails", "1").unwrap();
+    c.set("cma_threads", "1").unwrap();
+    c.set("timeout_ms", &timeout_ms.to_string()).unwrap();
+    c
+}
+
+/// A same-process READ of 2048 x 128 KiB (256 MiB, over the copy threads) whose peer is
+/// disconnected while the copies run: release must not return before they stop, since the
+/// caller frees the memory after it.
+#[test]
+fn release_after_a_disconnect_waits_for_running_host_copies() {
+    nixl_fabric::logging::init();
+    const N: usize = 2048;
+    const BS: usize = 128 << 10;
+    for round in 0..4 {
+        let a = Engine::new("a", pool_cfg(5000)).unwrap();
+        let b = Engine::new("b", pool_cfg(5000)).unwrap();
+        a.load_conn_info("b", b.conn_info()).unwrap();
+        let src = vec![0x5au8; N * BS];
+        let dst = vec![0u8; N * BS];
+        let ms = b.register(src.as_ptr() as u64, src.len() as u64, MemKind::Dram, 0).unwrap();
+        let md = a.register(dst.as_ptr() as u64, dst.len() as u64, MemKind::Dram, 0).unwrap();
+        let rs = a.load_remote("b", &b.public_data(&ms).unwrap()).unwrap();
+        // reversed block order: no two ranges coalesce
+        let pairs: Vec<Pair> = (0..N)
+            .map(|i| Pair { local: (dst.as_ptr() as u64 + (i * BS) as u64, BS as u64, &md), remote: (src.as_ptr() as u64 + ((N - 1 - i) * BS) as u64, BS as u64, &rs) })
+            .collect();
+        let req = a.prepare(Op::Read, &pairs, "b").unwrap();
+        let before = a.counters().ops_posted;
+        a.post(&req, None).unwrap();
+        let t0 = Instant::now();
+        while a.counters().ops_posted == before && req.status() == Status::NF_IN_PROG {
+            assert!(t0.elapsed() < Duration::from_secs(10));
+            std::hint::spin_loop();
+        }
+        a.disconnect("b").unwrap();
+        assert!(a.release(&req), "round {round}: release did not drain");
+        // SAFETY: dst is ours and, after release, no longer in use by the engine.
+        unsafe { std::ptr::write_bytes(dst.as_ptr() as *mut u8, 0, dst.len()) };
+        std::thread::sleep(Duration::from_millis(200));
+        let dirty = dst.iter().filter(|&&x| x != 0).count();
+        assert_eq!(dirty, 0, "round {round}: {dirty} bytes written after release returned");
+        drop((req, rs, ms, md));
+        a.shutdown();
+        b.shutdown();
+    }
+}
+
+/// A long same-process copy over the copy threads is progress, not a silent peer: it must
+/// not time out at timeout_ms (100 ms here), and every byte arrives.
+#[test]
+fn long_host_copies_do_not_time_out_while_running() {
+    nixl_fabric::logging::init();
+    const N: usize = 2048;
+    const BS: usize = 128 << 10;
+    let a = Engine::new("a", pool_cfg(100)).unwrap();
+    let b = Engine::new("b", pool_cfg(100)).unwrap();
+    a.load_conn_info("b", b.conn_info()).unwrap();
+    let src: Vec<u8> = (0..N * BS).map(|i| (i / BS) as u8).collect();
+    let dst = vec![0u8; N * BS];
+    let ms = b.register(src.as_ptr() as u64, src.len() as u64, MemKind::Dram, 0).unwrap();
+    let md = a.register(dst.as_ptr() as u64, dst.len() as u64, MemKind::Dram, 0).unwrap();
+    let rs = a.load_remote("b", &b.public_data(&ms).unwrap()).unwrap();
+    let pairs: Vec<Pair> = (0..N)
+        .map(|i| Pair { local: (dst.as_ptr() as u64 + (i * BS) as u64, BS as u64, &md), remote: (src.as_ptr() as u64 + ((N - 1 - i) * BS) as u64, BS as u64, &rs) })
+        .collect();
+    let req = a.prepare(Op::Read, &pairs, "b").unwrap();
+    let mut slowest = Duration::ZERO;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let s = a.post(&req, None).unwrap();
+        let s = if s == Status::NF_IN_PROG { wait(&[&a, &b], &req) } else { s };
+        slowest = slowest.max(t0.elapsed());
+        assert_eq!(s, Status::NF_SUCCESS, "a healthy same-process copy failed after {:?}", t0.elapsed());
+    }
+    for i in 0..N {
+        assert!(dst[i * BS..(i + 1) * BS].iter().all(|&x| x == (N - 1 - i) as u8), "block {i}");
+    }
+    eprintln!("slowest of 3 x 256 MiB: {slowest:?} (timeout 100 ms)");
+    assert!(a.release(&req));
+    drop((req, rs, ms, md));
+}

@@ -36,6 +36,9 @@ const MAX_IOV: usize = 1024;
 /// ~10 us) costs about what the copy does. (512 KiB left a 1 MiB READ between two processes
 /// on the H200 host at 0.84x UCX: two pieces; 256 KiB gives four.)
 const MIN_PIECE: u64 = 256 << 10;
+/// Largest piece: bounds how long the driver's thread (or a caller making a pass) copies its
+/// own share of a large request, during which no other peer is served.
+const MAX_PIECE: u64 = 8 << 20;
 /// Most copy threads an automatic count picks (memory bandwidth, not cores, is the limit).
 const AUTO_MAX_THREADS: usize = 7;
 
@@ -74,11 +77,11 @@ pub fn thread_count(cfg: u64) -> usize {
 }
 
 /// Cuts a run of ranges into pieces for `workers + 1` threads (the driver's own thread copies
-/// one piece too): pieces of about total / (workers + 1) bytes but at least MIN_PIECE,
+/// one piece too): pieces of about total / (workers + 1) bytes, within MIN_PIECE..MAX_PIECE,
 /// each at most MAX_IOV ranges. Small ranges share a piece; a large one is split.
 pub fn cut(ranges: &[Range], workers: usize) -> Vec<Vec<Range>> {
     let total: u64 = ranges.iter().map(|r| r.2 as u64).sum();
-    let target = total.div_ceil(workers as u64 + 1).max(MIN_PIECE).next_multiple_of(4096);
+    let target = total.div_ceil(workers as u64 + 1).clamp(MIN_PIECE, MAX_PIECE).next_multiple_of(4096);
     let mut out: Vec<Vec<Range>> = Vec::new();
     let mut cur: Vec<Range> = Vec::new();
     let mut cur_bytes = 0u64;
@@ -329,6 +332,11 @@ impl Driver {
             end += 1;
         }
         st.next = end;
+        // The peer must still be the process we connected to (its pidfd), also for a run
+        // that starts passes after the request's first.
+        if let Some(p) = req.peer().filter(|p| !p.local.alive()) {
+            return Err(Error::Disconnected(format!("agent '{}' exited", p.name)));
+        }
         let ranges: Vec<Range> = req.segs[first..end].iter().map(|s| (s.local, s.raddr, s.len as usize)).collect();
         self.spread_copies(req, st, pid, ranges)
     }
@@ -347,12 +355,17 @@ impl Driver {
             batch.finish(copy(pid, write, &mine));
             st.outstanding += 1;
             st.inflight_total += 1;
+            st.local_copies += 1;
             super::counters::add(&c.ops_posted, 1);
             self.cma.tracks.push(Track { req: req.clone(), epoch: st.epoch, bytes, batch, cma: pid != THIS_PROCESS });
             return Ok(());
         }
         for p in &pieces {
             copy(pid, write, p)?;
+        }
+        // As for pooled copies: a process that died meanwhile may have "taken" the bytes.
+        if let Some(p) = req.peer().filter(|p| pid != THIS_PROCESS && !p.local.alive()) {
+            return Err(Error::Disconnected(format!("agent '{}' exited", p.name)));
         }
         super::counters::add(if write { &c.bytes_written } else { &c.bytes_read }, bytes);
         if pid != THIS_PROCESS {
@@ -376,6 +389,7 @@ impl Driver {
             }
             let mut st = t.req.state();
             st.inflight_total = st.inflight_total.saturating_sub(1);
+            st.local_copies = st.local_copies.saturating_sub(1);
             if st.epoch != t.epoch || st.phase != Phase::Data {
                 continue;
             }

@@ -132,10 +132,15 @@ impl Core {
     }
 
     pub fn set_sleeping(&self, v: bool) {
-        self.sleeping.store(v, Ordering::SeqCst);
         if !v && self.rail_threads.load(Ordering::Relaxed) {
+            // under the gate's lock, so a rail thread between its look and its wait
+            // cannot miss the wake-up
+            let _g = self.rail_gate.0.lock().unwrap_or_else(|p| p.into_inner());
+            self.sleeping.store(false, Ordering::SeqCst);
             self.rail_gate.1.notify_all();
+            return;
         }
+        self.sleeping.store(v, Ordering::SeqCst);
     }
 
     /// Rail threads exist: waking the progress thread wakes them too.
@@ -150,7 +155,7 @@ impl Core {
             return;
         }
         let g = self.rail_gate.0.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = self.rail_gate.1.wait_timeout(g, max);
+        let _ = self.rail_gate.1.wait_timeout_while(g, max, |_| self.sleeping.load(Ordering::SeqCst));
     }
 
     pub fn is_sleeping(&self) -> bool {

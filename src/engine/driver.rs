@@ -1107,7 +1107,9 @@ impl Driver {
             }
             let peer_alive = req.peer().and_then(|p| self.conns.get(&p.id)).map(|c| c.last_completion);
             let last = peer_alive.map_or(st.last_progress, |t| t.max(st.last_progress));
-            if now.duration_since(last) > timeout {
+            // Host copies on the copy threads are system calls that always end (a dead peer
+            // fails them): a long one is progress, not a silent peer.
+            if now.duration_since(last) > timeout && st.local_copies == 0 {
                 let who = req.peer().map_or(String::new(), |p| p.name.clone());
                 self.complete(&req, &mut st, Err(Error::Timeout(format!(
                     "agent '{who}' completed nothing for {} ms", timeout.as_millis()
@@ -1167,6 +1169,12 @@ impl Driver {
                 let mut st = req.state();
                 self.complete(&req, &mut st, Err(Error::Canceled));
             }
+        }
+        // Host copies still running write into memory the owners free once the engine is
+        // gone: wait for them (system calls that always end) and account them.
+        while !self.cma.idle() {
+            self.advance_cma();
+            std::thread::sleep(std::time::Duration::from_micros(100));
         }
     }
 }

@@ -710,7 +710,9 @@ impl Engine {
         }
         {
             let mut st = req.state();
-            if req.status() == Status::NF_IN_PROG || matches!(st.phase, Phase::Data | Phase::Notif) {
+            // (Copies of an earlier post that failed or timed out may still be writing the
+            // same memory: a repost waits for them too.)
+            if req.status() == Status::NF_IN_PROG || matches!(st.phase, Phase::Data | Phase::Notif) || st.local_copies > 0 {
                 return Ok(Status::NF_ERR_REPOST_ACTIVE);
             }
             st.epoch += 1;
@@ -802,7 +804,7 @@ impl Engine {
                 // holds, and can no longer write into our memory: nothing to wait for.
                 let peer_gone = req.peer().is_some_and(|p| p.is_disconnected())
                     || req.status() == Status::NF_ERR_REMOTE_DISCONNECT;
-                if finished && peer_gone {
+                if finished && peer_gone && st.local_copies == 0 {
                     return true;
                 }
             }

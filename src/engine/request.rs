@@ -93,6 +93,10 @@ pub struct ReqState {
     pub unflushed: u64,
     /// The flush reads are out (or were not needed).
     pub flushing: bool,
+    /// Batches of this request's host copies still running on the copy threads (any
+    /// epoch): they write into registered memory with no provider in between, so a
+    /// release or repost waits for them even when the peer is gone.
+    pub local_copies: usize,
 }
 
 pub struct Request {
@@ -129,6 +133,7 @@ impl Request {
                 cancelled: false,
                 unflushed: 0,
                 flushing: false,
+                local_copies: 0,
             }),
             _local: local,
             _remote: remote,

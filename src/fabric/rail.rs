@@ -132,6 +132,9 @@ fn flag(v: u64, f: u64) -> bool {
     v & f != 0
 }
 
+/// Most completions a rail thread keeps waiting for the driver.
+const STASH_MAX: usize = 4096;
+
 /// Most segments one RMA operation carries (the arrays below are on the stack).
 pub const MAX_RMA_BATCH: usize = 8;
 
@@ -377,6 +380,12 @@ impl Rail {
             return Ok(n);
         }
         let Some(_domain) = self.calls.try_lock() else { return Ok(0) };
+        // A rail thread may have stashed more between the look above and the lock; those
+        // are older than anything in the CQ now, and the stash only grows under the lock.
+        let n = self.take_stashed(out)?;
+        if n > 0 {
+            return Ok(n);
+        }
         self.read_cq(out)
     }
 
@@ -407,6 +416,10 @@ impl Rail {
     /// for the driver. Steps aside while the driver waits for the domain. Returns how many
     /// entries it kept.
     pub fn progress_for_driver(&self) -> usize {
+        // A CQ that keeps failing must not fill memory faster than the driver drains it.
+        if self.stash.lock().unwrap_or_else(|p| p.into_inner()).len() >= STASH_MAX {
+            return 0;
+        }
         let Some(_domain) = self.calls.try_lock_yielding() else { return 0 };
         let mut buf = [Completion { ctx: std::ptr::null_mut(), flags: 0, len: 0 }; 64];
         let got = self.read_cq(&mut buf);

@@ -132,12 +132,18 @@ impl Endpoint {
     /// regions behind, and a later process that gets the same pid could not open its shm
     /// rail. Before enabling, a region under this endpoint's name is such a leftover (the
     /// provider gives each live endpoint of this process its own name, and this one is not
-    /// enabled yet), so it is removed.
+    /// enabled yet), so it is removed, but only in the initial pid namespace: in a nested one
+    /// another namespace sharing /dev/shm may have a live process with the same pid.
     fn remove_stale_shm_region(&self, rail: usize) {
         let Ok(raw) = self.name(rail) else { return };
         let text = String::from_utf8_lossy(&raw);
         let Some(name) = text.trim_end_matches('\0').strip_prefix("fi_shm://") else { return };
         if name.is_empty() || name.contains('/') || !name.starts_with(&format!("{}:", std::process::id())) {
+            return;
+        }
+        // In a nested pid namespace our pid is not unique on a /dev/shm shared with other
+        // namespaces (containers of one pod): a region under our name may be a live one.
+        if !in_initial_pid_namespace() {
             return;
         }
         let path = std::path::Path::new("/dev/shm").join(name);
@@ -163,4 +169,11 @@ impl Endpoint {
             return Ok(buf);
         }
     }
+}
+
+/// Whether this process's pid is its only one (/proc/self/status lists one NSpid level).
+fn in_initial_pid_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines().find_map(|l| l.strip_prefix("NSpid:")).is_some_and(|v| v.split_whitespace().count() == 1)
+    })
 }
