@@ -30,6 +30,15 @@ fn wait(e: &[&Arc<Engine>], req: &Arc<nixl_fabric::engine::Request>) -> Status {
     }
 }
 
+/// Two engines of this process, each knowing the other.
+fn connected_pair(c: nixl_fabric::config::Config) -> (Arc<Engine>, Arc<Engine>) {
+    let a = Engine::new("a", c.clone()).unwrap();
+    let b = Engine::new("b", c).unwrap();
+    a.load_conn_info("b", b.conn_info()).unwrap();
+    b.load_conn_info("a", a.conn_info()).unwrap();
+    (a, b)
+}
+
 fn round_trip(provider: &str, thread: bool, size: usize) {
     nixl_fabric::logging::init();
     let a = Engine::new("a", cfg(provider, thread)).unwrap();
@@ -143,11 +152,8 @@ fn kv_batch_over_two_rails_goes_in_runs() {
     nixl_fabric::logging::init();
     let mut c = cfg("tcp", true);
     c.set("rails", "2").unwrap();
-    let a = Engine::new("a", c.clone()).unwrap();
-    let b = Engine::new("b", c).unwrap();
+    let (a, b) = connected_pair(c);
     assert_eq!(a.rail_count(), 2);
-    a.load_conn_info("b", b.conn_info()).unwrap();
-    b.load_conn_info("a", a.conn_info()).unwrap();
     const N: usize = 64;
     const BS: usize = 4096;
     let src: Vec<u8> = (0..N * BS).map(|i| (i * 13 + 1) as u8).collect();
@@ -187,10 +193,7 @@ fn striped_transfers_over_four_rails_with_rail_threads() {
         let mut c = cfg("tcp", true);
         c.set("rails", "4").unwrap();
         c.set("rail_threads", threads).unwrap();
-        let a = Engine::new("a", c.clone()).unwrap();
-        let b = Engine::new("b", c).unwrap();
-        a.load_conn_info("b", b.conn_info()).unwrap();
-        b.load_conn_info("a", a.conn_info()).unwrap();
+        let (a, b) = connected_pair(c);
         const SIZE: usize = 32 << 20;
         let src: Vec<u8> = (0..SIZE).map(|i| (i * 29 + 7) as u8).collect();
         let dst = vec![0u8; SIZE];
@@ -243,10 +246,7 @@ fn tcp_transfer_loop_for_profiling() {
     let mut c = cfg("tcp", true);
     c.set("rails", &rails.to_string()).unwrap();
     c.set("caller_progress", "false").unwrap();
-    let a = Engine::new("a", c.clone()).unwrap();
-    let b = Engine::new("b", c).unwrap();
-    a.load_conn_info("b", b.conn_info()).unwrap();
-    b.load_conn_info("a", a.conn_info()).unwrap();
+    let (a, b) = connected_pair(c);
     const SIZE: usize = 64 << 20;
     let src = vec![1u8; SIZE];
     let dst = vec![0u8; SIZE];
@@ -277,6 +277,13 @@ fn pool_cfg(timeout_ms: u64) -> nixl_fabric::config::Config {
     c
 }
 
+/// Block i of `local` with block n-1-i of `remote`: no two ranges coalesce.
+fn reversed_blocks<'a>(local: &[u8], lm: &'a Arc<nixl_fabric::engine::LocalMem>, remote: &[u8], rm: &'a Arc<nixl_fabric::engine::RemoteMem>, n: usize, bs: usize) -> Vec<Pair<'a>> {
+    (0..n)
+        .map(|i| Pair { local: (local.as_ptr() as u64 + (i * bs) as u64, bs as u64, lm), remote: (remote.as_ptr() as u64 + ((n - 1 - i) * bs) as u64, bs as u64, rm) })
+        .collect()
+}
+
 /// A same-process READ of 2048 x 128 KiB (256 MiB, over the copy threads) whose peer is
 /// disconnected while the copies run: release must not return before they stop, since the
 /// caller frees the memory after it.
@@ -286,18 +293,13 @@ fn release_after_a_disconnect_waits_for_running_host_copies() {
     const N: usize = 2048;
     const BS: usize = 128 << 10;
     for round in 0..4 {
-        let a = Engine::new("a", pool_cfg(5000)).unwrap();
-        let b = Engine::new("b", pool_cfg(5000)).unwrap();
-        a.load_conn_info("b", b.conn_info()).unwrap();
+        let (a, b) = connected_pair(pool_cfg(5000));
         let src = vec![0x5au8; N * BS];
         let dst = vec![0u8; N * BS];
         let ms = b.register(src.as_ptr() as u64, src.len() as u64, MemKind::Dram, 0).unwrap();
         let md = a.register(dst.as_ptr() as u64, dst.len() as u64, MemKind::Dram, 0).unwrap();
         let rs = a.load_remote("b", &b.public_data(&ms).unwrap()).unwrap();
-        // reversed block order: no two ranges coalesce
-        let pairs: Vec<Pair> = (0..N)
-            .map(|i| Pair { local: (dst.as_ptr() as u64 + (i * BS) as u64, BS as u64, &md), remote: (src.as_ptr() as u64 + ((N - 1 - i) * BS) as u64, BS as u64, &rs) })
-            .collect();
+        let pairs = reversed_blocks(&dst, &md, &src, &rs, N, BS);
         let req = a.prepare(Op::Read, &pairs, "b").unwrap();
         let before = a.counters().ops_posted;
         a.post(&req, None).unwrap();
@@ -326,17 +328,13 @@ fn long_host_copies_do_not_time_out_while_running() {
     nixl_fabric::logging::init();
     const N: usize = 2048;
     const BS: usize = 128 << 10;
-    let a = Engine::new("a", pool_cfg(100)).unwrap();
-    let b = Engine::new("b", pool_cfg(100)).unwrap();
-    a.load_conn_info("b", b.conn_info()).unwrap();
+    let (a, b) = connected_pair(pool_cfg(100));
     let src: Vec<u8> = (0..N * BS).map(|i| (i / BS) as u8).collect();
     let dst = vec![0u8; N * BS];
     let ms = b.register(src.as_ptr() as u64, src.len() as u64, MemKind::Dram, 0).unwrap();
     let md = a.register(dst.as_ptr() as u64, dst.len() as u64, MemKind::Dram, 0).unwrap();
     let rs = a.load_remote("b", &b.public_data(&ms).unwrap()).unwrap();
-    let pairs: Vec<Pair> = (0..N)
-        .map(|i| Pair { local: (dst.as_ptr() as u64 + (i * BS) as u64, BS as u64, &md), remote: (src.as_ptr() as u64 + ((N - 1 - i) * BS) as u64, BS as u64, &rs) })
-        .collect();
+    let pairs = reversed_blocks(&dst, &md, &src, &rs, N, BS);
     let req = a.prepare(Op::Read, &pairs, "b").unwrap();
     let mut slowest = Duration::ZERO;
     for _ in 0..3 {

@@ -167,10 +167,7 @@ impl VmmMapping {
         let import = d.opt(v.import, "cuMemImportFromShareableHandle")?;
         let reserve = d.opt(v.address_reserve, "cuMemAddressReserve")?;
         let map = d.opt(v.map, "cuMemMap")?;
-        d.opt(v.set_access, "cuMemSetAccess")?;
-        d.opt(v.unmap, "cuMemUnmap")?;
-        d.opt(v.mem_release, "cuMemRelease")?;
-        d.opt(v.address_free, "cuMemAddressFree")?;
+        require_access_and_teardown(d)?;
         let get_dev = d.opt(d.f.ctx_get_device, "cuCtxGetDevice")?;
         let mut next = 0u64;
         for (off, len, _) in &chunks {
@@ -289,10 +286,7 @@ impl VmmBuffer {
         let create = d.opt(v.mem_create, "cuMemCreate")?;
         let reserve = d.opt(v.address_reserve, "cuMemAddressReserve")?;
         let map = d.opt(v.map, "cuMemMap")?;
-        d.opt(v.set_access, "cuMemSetAccess")?;
-        d.opt(v.unmap, "cuMemUnmap")?;
-        d.opt(v.mem_release, "cuMemRelease")?;
-        d.opt(v.address_free, "cuMemAddressFree")?;
+        require_access_and_teardown(d)?;
         let g = Self::granularity(ordinal, posix_fd)?;
         let len = chunk_len * chunks as u64;
         let _p = Pushed::new(d, *ctx)?;
@@ -375,4 +369,15 @@ fn grant_read_write(d: &Driver, base: u64, len: u64, dev: i32) -> Result<()> {
     };
     // SAFETY: the caller mapped the whole range; desc is one live entry.
     d.check("cuMemSetAccess", unsafe { set_access(base, len as usize, &desc, 1) })
+}
+
+/// The entry points a mapping needs after it is made (access, and unmapping it again), checked
+/// before anything is reserved so that a partial driver fails cleanly up front.
+fn require_access_and_teardown(d: &Driver) -> Result<()> {
+    let v = &d.f.vmm;
+    d.opt(v.set_access, "cuMemSetAccess")?;
+    d.opt(v.unmap, "cuMemUnmap")?;
+    d.opt(v.mem_release, "cuMemRelease")?;
+    d.opt(v.address_free, "cuMemAddressFree")?;
+    Ok(())
 }
