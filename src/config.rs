@@ -48,7 +48,7 @@ tunables! {
     iface: String = Str, "", "NIXL_FABRIC_IFACE",
         "comma-separated libfabric domain names (for tcp/sockets: interface names such as lo or eth0) to open rails on; empty picks them automatically";
     rails: u64 = U64, "0", "NIXL_FABRIC_RAILS",
-        "number of rails (endpoints); 0 = one per matching domain, but tcp/sockets stay on one interface unless `iface` lists several, and on hosts with 8 or more cores open at least two connections (a single interface then carries two rails); more than the domains cycles over them";
+        "number of rails (endpoints); 0 = one per matching domain, but tcp/sockets stay on one interface unless `iface` lists several, and open several connections on larger hosts (four with 16 or more cores, two with 8 or more; a single interface then carries them all); more than the domains cycles over them";
     progress_thread: bool = Bool, "true", "NIXL_FABRIC_PROGRESS_THREAD",
         "run a progress thread; off means progress happens in check/notification calls";
     caller_progress: bool = Bool, "true", "NIXL_FABRIC_CALLER_PROGRESS",
@@ -76,7 +76,7 @@ tunables! {
     pin_host_memory: bool = Bool, "true", "NIXL_FABRIC_PIN_HOST_MEMORY",
         "host memory that takes part in direct GPU copies (IPC or between engines of one process) is page-locked on first use (cuMemHostRegister), so the copies run at full bus speed; memory that is already pinned is used as it is";
     rail_threads: bool = Bool, "true", "NIXL_FABRIC_RAIL_THREADS",
-        "with two or more tcp/sockets rails and the progress thread on, every rail after the first gets a thread that drives the provider's progress on it, so striped transfers move over the connections at once; off: the progress thread drives every rail";
+        "with two or more tcp/sockets rails and the progress thread on, every rail after the first gets a thread that posts its RMA and drives the provider's progress on it, so striped transfers move over the connections at once; off: the progress thread posts to and drives every rail";
     cma_copy: bool = Bool, "true", "NIXL_FABRIC_CMA_COPY",
         "host memory of a same-host peer process that this process may access (cross-memory attach; needs same_host_shm) is written and read directly with process_vm_writev/readv, many descriptors per call and large requests split over copy threads, instead of through the shm rail; also spreads host-to-host copies of 2 MiB and more between engines of one process over the copy threads";
     cma_threads: u64 = U64, "0", "NIXL_FABRIC_CMA_THREADS",

@@ -553,6 +553,10 @@ impl Driver {
         if let Some(c) = self.conns.remove(&peer_id) {
             for (l, row) in c.addrs.iter().enumerate() {
                 for a in row.iter().flatten() {
+                    // What a rail thread has not posted yet toward the peer never will be.
+                    for ctx in self.rails[l].take_queued_for(*a) {
+                        self.on_completion(l, ctx, 0, Some(Error::Disconnected("peer was disconnected".into())));
+                    }
                     self.rails[l].av_remove(*a);
                 }
             }
@@ -680,7 +684,13 @@ impl Driver {
                 let inline = sync_rails & (1 << rail) != 0 && !dc;
                 let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: s.rail, len: bytes, inline });
                 let more = st.next + n < req.segs.len();
-                let res = r.rma_batch(write, &batch[..n], dest, ctx, more, dc);
+                // A rail with its own thread posts there (over tcp a post is the socket write).
+                let res = if r.posts_on_thread() && !inline {
+                    self.core.note_rail_traffic();
+                    r.queue_rma(write, &batch[..n], dest, ctx, dc)
+                } else {
+                    r.rma_batch(write, &batch[..n], dest, ctx, more, dc)
+                };
                 match res {
                     Ok(Posted::Ok) => {
                         st.next += n;
@@ -914,6 +924,9 @@ impl Driver {
                 Ok(0) => break,
                 Ok(n) => {
                     total += n;
+                    if self.rails[rail].posts_on_thread() {
+                        self.core.note_rail_traffic();
+                    }
                     for c in &buf[..n] {
                         if c.is_remote_write() {
                             continue;
@@ -1055,8 +1068,13 @@ impl Driver {
                 Ok(a) => self.on_stage_ack(a),
                 Err(e) => log::warn!("{}: dropping a stage answer from '{}': {e}", self.core.name, msg.sender),
             },
-            // Its receive completion already made this pass busy: that is all it is for.
-            CtrlType::Kick => {}
+            // Its receive completion already made this pass busy; a peer whose data comes
+            // over the network rails also needs their threads driving them here.
+            CtrlType::Kick => {
+                if self.data_over_network_rails(msg.sender_id) {
+                    self.core.note_rail_traffic();
+                }
+            }
             CtrlType::Copy => match wire::CopyReq::decode(msg.payload) {
                 Ok(c) => {
                     let sender = msg.sender.to_string();
@@ -1076,6 +1094,14 @@ impl Driver {
                 self.core.push_notif(msg.sender.to_string(), msg.payload.to_vec());
             }
         }
+    }
+
+    /// Whether an initiator's RMA reaches us over the network rails: not when it is on this
+    /// host and same-host peers go around them (shm rail, CMA, IPC). Unknown: assume so.
+    fn data_over_network_rails(&self, initiator: u64) -> bool {
+        let Some(info) = self.initiators.get(&initiator).and_then(|i| i.info.as_ref()) else { return true };
+        let ours = wire::ConnInfo::decode(&self.core.conn_info).map(|c| c.host_id).ok();
+        !(self.core.cfg.same_host_shm && info.host_id != [0; 16] && Some(info.host_id) == ours)
     }
 
     /// Deadlines (rule 2): a post whose peer completed nothing for `timeout_ms` fails with
@@ -1099,6 +1125,10 @@ impl Driver {
         kick.dedup();
         for id in kick {
             self.kick(id);
+        }
+        // A long operation on a threaded rail may go 20 ms without a completion.
+        if (0..self.rails.len()).any(|r| self.inflight[r] > 0 && self.rails[r].posts_on_thread()) {
+            self.core.note_rail_traffic();
         }
         for req in active {
             let mut st = req.state();

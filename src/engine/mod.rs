@@ -108,13 +108,15 @@ const FI_HMEM_CUDA: u32 = 1;
 const INLINE_POST_SEGS: usize = 4;
 const INLINE_POST_BYTES: u64 = 256 << 10;
 
-/// rails=0 with tcp or sockets and no interface list: two connections over the one
-/// interface on hosts with at least this many cores, else one. One progress thread moves
-/// both; on the 16-core H200 host two tcp rails took 64 MiB from 2.7 to 4.2-4.4 GB/s (raw
-/// TCP: 2.5 on one stream, 4.6 on two) and KV batches kept or gained (4096 x 4 KiB WRITE
-/// 1.34 -> 1.63 GB/s), while four and eight rails added nothing over two. On a 2-core host the
-/// second connection only competes for the cores.
-const AUTO_SOCKET_RAILS_MIN_CORES: usize = 8;
+/// rails=0 with tcp or sockets and no interface list: several connections over the one
+/// interface, by core count. Each rail after the first has a thread (posting and progress)
+/// in each of the two processes of a same-host pair, so the count stays within a quarter of
+/// the cores. On the 16-core H200 host, with rail threads posting their own writes, 64 MiB
+/// over tcp moved 2.8 GB/s on one rail, 4.8 on two, 7.1 on four and 15.7 on eight (raw TCP
+/// streams: 2.3 / 4.5 / 6.5 / 11.9), and four rails beat two at every KV batch; eight
+/// rails cost single small transfers ~1.5x in latency (16 spinning threads on 16 cores).
+/// On a 2-core host a second connection only competes for the cores.
+const AUTO_SOCKET_RAILS: [(usize, usize); 2] = [(16, 4), (8, 2)];
 
 /// The rail count rails=0 gives tcp/sockets on a host with `cores` cores (None: another
 /// provider, which has its own rule).
@@ -122,7 +124,7 @@ fn auto_socket_rails(prov: &str, cores: usize) -> Option<usize> {
     if !(prov.starts_with("tcp") || prov.starts_with("sockets")) {
         return None;
     }
-    Some(if cores >= AUTO_SOCKET_RAILS_MIN_CORES { 2 } else { 1 })
+    Some(AUTO_SOCKET_RAILS.iter().find(|(min, _)| cores >= *min).map_or(1, |(_, n)| *n))
 }
 
 fn is_single_rail_provider(p: &str) -> bool {
@@ -139,7 +141,7 @@ impl Engine {
         let specs = fabric::discover(&cfg, crate::cuda::available())?;
         // An explicit interface list means "a rail on each"; otherwise socket-like
         // providers stay on one interface (their domains are often unrelated networks).
-        // tcp/sockets on a large host get two connections even on one interface.
+        // tcp/sockets on a large host get several connections even on one interface.
         let listed = cfg.iface.split(',').filter(|s| !s.trim().is_empty()).count();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let count = match (cfg.rails, auto_socket_rails(&specs[0].prov_name, cores)) {
@@ -888,7 +890,8 @@ mod tests {
     #[test]
     fn automatic_rail_count_for_socket_providers_follows_the_core_count() {
         assert_eq!(auto_socket_rails("tcp;ofi_rxm", 2), Some(1));
-        assert_eq!(auto_socket_rails("tcp", 16), Some(2));
+        assert_eq!(auto_socket_rails("tcp", 16), Some(4));
+        assert_eq!(auto_socket_rails("tcp", 15), Some(2));
         assert_eq!(auto_socket_rails("sockets", 8), Some(2));
         assert_eq!(auto_socket_rails("sockets", 7), Some(1));
         assert_eq!(auto_socket_rails("efa", 64), None);

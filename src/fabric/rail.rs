@@ -7,7 +7,11 @@ use crate::config::parse_bool;
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::ffi::c_void;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
+
+mod outbox;
+pub use outbox::Posting;
 
 /// What the provider granted for this rail (from the fi_info it returned).
 #[derive(Clone, Debug)]
@@ -118,12 +122,16 @@ pub struct Rail {
     calls: Arc<DomainLock>,
     /// Completions a rail thread read, waiting for the driver (oldest first).
     stash: Mutex<VecDeque<std::result::Result<Completion, CqError>>>,
+    /// RMA operations waiting for the rail thread to post them (see outbox.rs).
+    outbox: Mutex<VecDeque<outbox::QueuedRma>>,
+    posts_on_thread: AtomicBool,
     _spec: RailSpec,
 }
 
 // SAFETY: every provider call on the rail's objects holds `calls`, so the domain sees one
 // thread at a time (FI_THREAD_DOMAIN) whichever thread the driver or a rail thread runs on;
-// the stash's raw contexts are only dereferenced by the driver. The provider objects
+// the raw contexts and buffers in the stash and the outbox are only dereferenced by the
+// driver and the provider. The provider objects
 // themselves may move between threads.
 unsafe impl Send for Rail {}
 unsafe impl Sync for Rail {}
@@ -226,7 +234,7 @@ impl Rail {
             caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw, caps.sync_rma, caps.rma_batch,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
-        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, calls: Arc::default(), stash: Mutex::default(), _spec: spec })
+        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, calls: Arc::default(), stash: Mutex::default(), outbox: Mutex::default(), posts_on_thread: AtomicBool::new(false), _spec: spec })
     }
 
     /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
@@ -296,6 +304,13 @@ impl Rail {
         if n == 0 || n > self.caps.rma_batch {
             return Err(Error::Backend(format!("rail {}: batch of {n} segments (limit {})", self.index, self.caps.rma_batch)));
         }
+        let _domain = self.calls.lock();
+        self.post_rma_locked(write, segs, dest, ctx, more, dc)
+    }
+
+    /// `rma_batch` for a caller that holds `calls` (the rail thread posting its outbox).
+    fn post_rma_locked(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
+        let n = segs.len().min(MAX_RMA_BATCH);
         let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_RMA_BATCH];
         let mut descs = [std::ptr::null_mut::<c_void>(); MAX_RMA_BATCH];
         let mut rma = [sys::fi_rma_iov { addr: 0, len: 0, key: 0 }; MAX_RMA_BATCH];
@@ -314,11 +329,17 @@ impl Rail {
             context: ctx,
             data: 0,
         };
-        self.post_msg(write, &msg, more, dc)
+        self.post_msg_locked(write, &msg, more, dc)
     }
 
     /// Posts a prepared RMA message with our completion flags.
     fn post_msg(&self, write: bool, msg: &sys::fi_msg_rma, more: bool, dc: bool) -> Result<Posted> {
+        let _domain = self.calls.lock();
+        self.post_msg_locked(write, msg, more, dc)
+    }
+
+    /// `post_msg` for a caller that holds `calls`.
+    fn post_msg_locked(&self, write: bool, msg: &sys::fi_msg_rma, more: bool, dc: bool) -> Result<Posted> {
         let mut flags = sys::FI_COMPLETION as u64;
         // shm takes the flag per operation (see sync_rma); elsewhere only where granted.
         if write && dc && (self.caps.delivery_complete || self.caps.sync_rma) {
@@ -327,9 +348,8 @@ impl Rail {
         if more {
             flags |= sys::FI_MORE as u64;
         }
-        let _domain = self.calls.lock();
-        // SAFETY: msg and the arrays it points to live for the call (the caller's stack);
-        // the provider copies them. Every buffer and ctx stay valid until the completion
+        // SAFETY: the caller holds `calls`; msg and the arrays it points to live for the
+        // call (the caller's stack, or the outbox entry being posted); the provider copies them. Every buffer and ctx stay valid until the completion
         // (engine invariant).
         let ret = unsafe {
             if write { sys::nf_fi_writemsg(self.ep.raw, msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, msg, flags) }
