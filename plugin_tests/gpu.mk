@@ -1,6 +1,7 @@
-# GPU tests. On this (CPU) machine `make test` runs the GPU harness twice: without a CUDA
+# GPU tests. On this (CPU) machine `make test` runs the GPU harness three times: without a CUDA
 # driver (DRAM served, VRAM refused with NOT_SUPPORTED) and against the strict stand-in
-# driver src/cuda/mock_cuda.c (the whole staging path and the seed-bug regression).
+# driver src/cuda/mock_cuda.c (the whole staging path and the seed-bug regression), that
+# one again with four tcp rails (rail threads on the staging path).
 # `make gpu-bundle` packs everything a GPU host needs into .gpu/ (bench/bench.py included, for
 # the DRAM benchmark: RUN_GPU_ONLY=dram); there `bash .gpu/run-gpu.sh` (or `make test-gpu`)
 # runs the real thing.
@@ -22,6 +23,10 @@ gpu-cpu-test: build $(GPU_HARNESS) $(MOCK_CUDA)
 	NIXL_FABRIC_CUDA_LIB=/nonexistent/libcuda.so.1 $(GPU_HARNESS)
 	@echo "== GPU harness, stand-in CUDA driver"
 	NIXL_FABRIC_CUDA_LIB=$(MOCK_CUDA) GPU_HARNESS_NO_BW=1 timeout 300 $(GPU_HARNESS)
+	@# what a 16-core host gets by default (rails=0: four tcp rails, three with rail threads):
+	@# staged VRAM and flush reads on threaded rails, which a 2-core host never opens
+	@echo "== GPU harness, stand-in CUDA driver, four tcp rails"
+	NIXL_FABRIC_RAILS=4 NIXL_FABRIC_CUDA_LIB=$(MOCK_CUDA) GPU_HARNESS_NO_BW=1 timeout 300 $(GPU_HARNESS)
 
 # The plugin must load where there is no CUDA and no NIXL: neither may be NEEDED.
 check-needed: build

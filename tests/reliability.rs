@@ -274,12 +274,16 @@ fn same_host_dram_between_processes_moves_by_cma_byte_exact() {
     let _ = v.child.wait();
 }
 
-fn teardown_under_load(threads: usize) {
+/// `rails` > 1: writes queued in rail outboxes and rail threads posting them while the
+/// requests are released and the engines shut down.
+fn teardown_under_load(threads: usize, rails: u32) {
     const N: usize = 64;
     const LEN: usize = 1 << 20;
+    let mut c = cfg(true, 3000);
+    c.set("rails", &rails.to_string()).unwrap();
     for iter in 0..10 {
-        let a = Engine::new("a", cfg(true, 3000)).unwrap();
-        let b = Engine::new("b", cfg(true, 3000)).unwrap();
+        let a = Engine::new("a", c.clone()).unwrap();
+        let b = Engine::new("b", c.clone()).unwrap();
         a.load_conn_info("b", b.conn_info()).unwrap();
         let src = vec![iter as u8; N * LEN];
         let dst = vec![0u8; N * LEN];
@@ -311,12 +315,17 @@ fn teardown_under_load(threads: usize) {
 
 #[test]
 fn teardown_with_64_requests_in_flight_one_thread() {
-    teardown_under_load(1);
+    teardown_under_load(1, 1);
 }
 
 #[test]
 fn teardown_with_64_requests_in_flight_four_threads() {
-    teardown_under_load(4);
+    teardown_under_load(4, 1);
+}
+
+#[test]
+fn teardown_with_64_requests_in_flight_over_four_rails_with_rail_threads() {
+    teardown_under_load(4, 4);
 }
 
 fn many_threads(thread: bool) {

@@ -875,6 +875,27 @@ impl Driver {
                     log::error!("{}: transfer to agent '{}' failed: {e} -> {}", self.core.name, req.peer().map_or("", |p| p.name.as_str()), s.name());
                 }
                 req.set_status(s);
+                self.unqueue_ops_of(req, st);
+            }
+        }
+    }
+
+    /// A failed or cancelled request's RMA still waiting in rail outboxes is never posted:
+    /// once the request has ended its owner may release it and free the memory.
+    fn unqueue_ops_of(&mut self, req: &Arc<Request>, st: &mut ReqState) {
+        for r in 0..self.rails.len() {
+            if !self.rails[r].has_queued() {
+                continue;
+            }
+            let ops = &self.ops;
+            let taken = self.rails[r].take_queued_with(|ctx| {
+                matches!(ops.kind_of(ctx), Some(OpKind::Rma { req: q, .. }) if Arc::ptr_eq(q, req))
+            });
+            for ctx in taken {
+                self.ops.release(ctx);
+                self.inflight[r] = self.inflight[r].saturating_sub(1);
+                st.inflight_total = st.inflight_total.saturating_sub(1);
+                st.outstanding = st.outstanding.saturating_sub(1);
             }
         }
     }

@@ -83,6 +83,21 @@ impl OpPool {
         out
     }
 
+    /// What an operation we allocated is for (None for anything else, or a free slot).
+    pub fn kind_of(&self, ctx: *mut c_void) -> Option<&OpKind> {
+        if ctx.is_null() {
+            return None;
+        }
+        // SAFETY: as in `release`: only the index field is read before the pointer is
+        // checked to be exactly that slot's address.
+        let index = unsafe { (*(ctx as *const OpCtx)).index } as usize;
+        let slot = self.slots.get(index)?;
+        if &**slot as *const OpCtx as *mut c_void != ctx || matches!(slot.kind, OpKind::Free) {
+            return None;
+        }
+        Some(&slot.kind)
+    }
+
     pub fn release(&mut self, ctx: *mut c_void) -> Option<OpKind> {
         if ctx.is_null() {
             return None;

@@ -110,11 +110,23 @@ impl Rail {
     /// Takes back the operations still queued for `dest` (the peer is leaving the AV): their
     /// contexts, for the driver to fail.
     pub fn take_queued_for(&self, dest: super::FiAddr) -> Vec<*mut c_void> {
+        self.take_queued_where(|q| q.dest == dest)
+    }
+
+    /// Takes back the queued operations whose context `pick` names (a request that failed
+    /// or was cancelled: its memory may be freed once it is released).
+    pub fn take_queued_with(&self, pick: impl Fn(*mut c_void) -> bool) -> Vec<*mut c_void> {
+        self.take_queued_where(|q| pick(q.ctx))
+    }
+
+    fn take_queued_where(&self, pick: impl Fn(&QueuedRma) -> bool) -> Vec<*mut c_void> {
+        // Under the domain lock: a rail thread pops and posts under it, so every operation
+        // is either still here or already with the provider.
         let _domain = self.calls.lock();
         let mut ob = self.outbox.lock().unwrap_or_else(|p| p.into_inner());
         let mut taken = Vec::new();
         ob.retain(|q| {
-            if q.dest == dest {
+            if pick(q) {
                 taken.push(q.ctx);
                 false
             } else {
@@ -147,7 +159,8 @@ mod tests {
     }
 
     /// Over the real tcp provider: queued writes are posted by `post_queued` and complete
-    /// with their contexts, bytes in place; what `take_queued_for` takes back is never posted.
+    /// with their contexts, bytes in place; what `take_queued_with`/`_for` take back (by
+    /// context, by peer) is never posted.
     #[test]
     fn queued_writes_are_posted_in_order_and_taken_back_unposted() {
         let (rail, me) = tcp_rail();
@@ -163,8 +176,10 @@ mod tests {
             let s = seg(&mut src[i * BS..(i + 1) * BS], ms.desc, raddr(i), md.key);
             rail.queue_rma(true, &[s], me, (1000 + i) as *mut _, false).unwrap();
         }
+        let even = rail.take_queued_with(|ctx| ctx as usize % 2 == 0);
+        assert_eq!(even, (0..N).step_by(2).map(|i| (1000 + i) as *mut std::ffi::c_void).collect::<Vec<_>>());
         let taken = rail.take_queued_for(me);
-        assert_eq!(taken, (0..N).map(|i| (1000 + i) as *mut std::ffi::c_void).collect::<Vec<_>>());
+        assert_eq!(taken, (1..N).step_by(2).map(|i| (1000 + i) as *mut std::ffi::c_void).collect::<Vec<_>>());
         assert!(!rail.has_queued() && rail.post_queued() == super::Posting::default());
         // Queued and posted: every context completes once.
         for i in 0..N {
