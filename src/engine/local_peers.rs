@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 /// What this process knows of one of its engines: the token it publishes (so a peer that
 /// claims to be in this process is checked) and every live registration.
@@ -69,7 +70,13 @@ pub fn same_process(info: &ConnInfo) -> Option<Weak<ProcessView>> {
 }
 
 /// A process of this host watched through a pidfd: readable once the process has exited.
-pub struct PidFd(OwnedFd);
+/// Also remembers when a poll last found it alive (ns since `SINCE`, 0 = never, EXITED).
+pub struct PidFd(OwnedFd, AtomicU64);
+
+/// Clock origin of PidFd's last-seen-alive stamps.
+static SINCE: LazyLock<Instant> = LazyLock::new(Instant::now);
+/// PidFd's stamp once a poll has seen the exit.
+const EXITED: u64 = u64::MAX;
 
 impl PidFd {
     pub fn open(pid: u32) -> Option<PidFd> {
@@ -79,7 +86,7 @@ impl PidFd {
             return None;
         }
         // SAFETY: fd is a new descriptor that nothing else owns.
-        Some(PidFd(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
+        Some(PidFd(unsafe { OwnedFd::from_raw_fd(fd as i32) }, AtomicU64::new(0)))
     }
 
     /// Whether the process has exited (one non-blocking poll).
@@ -87,7 +94,25 @@ impl PidFd {
         let mut p = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd, zero timeout.
         let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+        let gone = n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        // An exit is final: remembered as EXITED, never answered from an older alive stamp.
+        let stamp = if gone { EXITED } else { (SINCE.elapsed().as_nanos() as u64).clamp(1, EXITED - 1) };
+        self.1.store(stamp, Ordering::Relaxed);
+        gone
+    }
+
+    /// Whether the process was seen alive within `age`, polling only if not: for the check
+    /// before a copy, which guards against writing into a reused pid (a pid is not reused
+    /// within microseconds of its process's exit: the pid space has to wrap first).
+    pub fn exited_since(&self, age: Duration) -> bool {
+        let seen = self.1.load(Ordering::Relaxed);
+        if seen == EXITED {
+            return true;
+        }
+        if seen != 0 && (SINCE.elapsed().as_nanos() as u64).saturating_sub(seen) <= age.as_nanos() as u64 {
+            return false;
+        }
+        self.exited()
     }
 }
 
@@ -122,6 +147,15 @@ impl Locality {
         }
     }
 
+    /// As `alive`, but a same-host process seen alive within `age` is not polled again
+    /// (see PidFd::exited_since).
+    pub fn alive_within(&self, age: Duration) -> bool {
+        match self {
+            Locality::SameHost(Some(fd)) => !fd.exited_since(age),
+            _ => self.alive(),
+        }
+    }
+
     pub fn watched(&self) -> bool {
         matches!(self, Locality::SameHost(Some(_)) | Locality::SameProcess(_))
     }
@@ -143,5 +177,19 @@ mod tests {
         }
         assert!(fd.exited());
         let _ = child.wait();
+    }
+
+    /// A poll that found the process alive is reused only within the given age: a long age
+    /// keeps answering from it after the exit, a zero age polls again and sees the exit.
+    #[test]
+    fn pidfd_reuses_a_recent_alive_poll_only_within_its_age() {
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().expect("spawn sleep");
+        let fd = PidFd::open(child.id()).expect("pidfd_open");
+        assert!(!fd.exited_since(Duration::ZERO), "never polled: polls, alive");
+        child.kill().expect("kill");
+        let _ = child.wait();
+        assert!(!fd.exited_since(Duration::from_secs(60)), "seen alive moments ago counts");
+        assert!(fd.exited_since(Duration::ZERO), "a fresh poll sees the exit");
+        assert!(fd.exited_since(Duration::from_secs(60)), "an exit is never cached away");
     }
 }
