@@ -1072,7 +1072,7 @@ impl Driver {
                             None
                         }
                     };
-                    let our_host = wire::ConnInfo::decode(&self.core.conn_info).map(|c| c.host_id).ok();
+                    let our_host = self.our_host_id();
                     let pidfd = info.as_ref()
                         .filter(|i| Some(i.host_id) == our_host && i.host_id != [0; 16])
                         .and_then(|i| i.process.as_ref())
@@ -1121,8 +1121,12 @@ impl Driver {
     /// host and same-host peers go around them (shm rail, CMA, IPC). Unknown: assume so.
     fn data_over_network_rails(&self, initiator: u64) -> bool {
         let Some(info) = self.initiators.get(&initiator).and_then(|i| i.info.as_ref()) else { return true };
-        let ours = wire::ConnInfo::decode(&self.core.conn_info).map(|c| c.host_id).ok();
-        !(self.core.cfg.same_host_shm && info.host_id != [0; 16] && Some(info.host_id) == ours)
+        !(self.core.cfg.same_host_shm && info.host_id != [0; 16] && Some(info.host_id) == self.our_host_id())
+    }
+
+    /// This host's id, as our connection info gives it to peers.
+    fn our_host_id(&self) -> Option<[u8; 16]> {
+        wire::ConnInfo::decode(&self.core.conn_info).map(|c| c.host_id).ok()
     }
 
     /// Deadlines (rule 2): a post whose peer completed nothing for `timeout_ms` fails with

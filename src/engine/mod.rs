@@ -112,9 +112,10 @@ const INLINE_POST_BYTES: u64 = 256 << 10;
 /// interface, by core count. Each rail after the first has a thread (posting and progress)
 /// in each of the two processes of a same-host pair, so the count stays within a quarter of
 /// the cores. On the 16-core H200 host, with rail threads posting their own writes, 64 MiB
-/// over tcp moved 2.8 GB/s on one rail, 4.8 on two, 7.1 on four and 15.7 on eight (raw TCP
-/// streams: 2.3 / 4.5 / 6.5 / 11.9), and four rails beat two at every KV batch; eight
-/// rails cost single small transfers ~1.5x in latency (16 spinning threads on 16 cores).
+/// over tcp moved 2.9 GB/s on one rail, 4.4 on two, 10.0 on four and 14.8 on eight (raw TCP
+/// streams: 2.4 / 4.6 / 9.3 / 17.8; README table), and four rails beat two at every KV
+/// batch; eight rails cost single small transfers ~1.5x in latency (16 spinning threads on
+/// 16 cores).
 /// On a 2-core host a second connection only competes for the cores.
 const AUTO_SOCKET_RAILS: [(usize, usize); 2] = [(16, 4), (8, 2)];
 

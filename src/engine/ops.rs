@@ -83,22 +83,8 @@ impl OpPool {
         out
     }
 
-    /// What an operation we allocated is for (None for anything else, or a free slot).
-    pub fn kind_of(&self, ctx: *mut c_void) -> Option<&OpKind> {
-        if ctx.is_null() {
-            return None;
-        }
-        // SAFETY: as in `release`: only the index field is read before the pointer is
-        // checked to be exactly that slot's address.
-        let index = unsafe { (*(ctx as *const OpCtx)).index } as usize;
-        let slot = self.slots.get(index)?;
-        if &**slot as *const OpCtx as *mut c_void != ctx || matches!(slot.kind, OpKind::Free) {
-            return None;
-        }
-        Some(&slot.kind)
-    }
-
-    pub fn release(&mut self, ctx: *mut c_void) -> Option<OpKind> {
+    /// The slot `ctx` points at, if it is exactly one of ours.
+    fn slot_of(&self, ctx: *mut c_void) -> Option<usize> {
         if ctx.is_null() {
             return None;
         }
@@ -106,11 +92,19 @@ impl OpPool {
         // of the slot with that index, so a foreign pointer is never dereferenced further
         // than the index field of something the provider handed back to us.
         let index = unsafe { (*(ctx as *const OpCtx)).index } as usize;
-        let slot = self.slots.get_mut(index)?;
-        if &mut **slot as *mut OpCtx as *mut c_void != ctx {
-            return None;
-        }
-        let kind = std::mem::replace(&mut slot.kind, OpKind::Free);
+        let slot = self.slots.get(index)?;
+        (&**slot as *const OpCtx as *mut c_void == ctx).then_some(index)
+    }
+
+    /// What an operation we allocated is for (None for anything else, or a free slot).
+    pub fn kind_of(&self, ctx: *mut c_void) -> Option<&OpKind> {
+        let kind = &self.slots[self.slot_of(ctx)?].kind;
+        (!matches!(kind, OpKind::Free)).then_some(kind)
+    }
+
+    pub fn release(&mut self, ctx: *mut c_void) -> Option<OpKind> {
+        let index = self.slot_of(ctx)?;
+        let kind = std::mem::replace(&mut self.slots[index].kind, OpKind::Free);
         if matches!(kind, OpKind::Free) {
             return None;
         }

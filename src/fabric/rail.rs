@@ -131,8 +131,7 @@ pub struct Rail {
 // SAFETY: every provider call on the rail's objects holds `calls`, so the domain sees one
 // thread at a time (FI_THREAD_DOMAIN) whichever thread the driver or a rail thread runs on;
 // the raw contexts and buffers in the stash and the outbox are only dereferenced by the
-// driver and the provider. The provider objects
-// themselves may move between threads.
+// driver and the provider. The provider objects themselves may move between threads.
 unsafe impl Send for Rail {}
 unsafe impl Sync for Rail {}
 
@@ -300,12 +299,17 @@ impl Rail {
     /// order, into the remote ranges, in order; pairwise equal lengths keep every byte at
     /// its own segment's address. `segs.len()` must be within 1..=caps.rma_batch.
     pub fn rma_batch(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
-        let n = segs.len();
+        self.check_batch(segs.len())?;
+        let _domain = self.calls.lock();
+        self.post_rma_locked(write, segs, dest, ctx, more, dc)
+    }
+
+    /// A batch of `n` segments is within 1..=caps.rma_batch (what one operation carries).
+    fn check_batch(&self, n: usize) -> Result<()> {
         if n == 0 || n > self.caps.rma_batch {
             return Err(Error::Backend(format!("rail {}: batch of {n} segments (limit {})", self.index, self.caps.rma_batch)));
         }
-        let _domain = self.calls.lock();
-        self.post_rma_locked(write, segs, dest, ctx, more, dc)
+        Ok(())
     }
 
     /// `rma_batch` for a caller that holds `calls` (the rail thread posting its outbox).
@@ -349,8 +353,8 @@ impl Rail {
             flags |= sys::FI_MORE as u64;
         }
         // SAFETY: the caller holds `calls`; msg and the arrays it points to live for the
-        // call (the caller's stack, or the outbox entry being posted); the provider copies them. Every buffer and ctx stay valid until the completion
-        // (engine invariant).
+        // call (the caller's stack, or the outbox entry being posted); the provider copies
+        // them. Every buffer and ctx stay valid until the completion (engine invariant).
         let ret = unsafe {
             if write { sys::nf_fi_writemsg(self.ep.raw, msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, msg, flags) }
         };

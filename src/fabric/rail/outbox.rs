@@ -55,9 +55,7 @@ impl Rail {
     /// completion, or its rejection, arrives through `poll` like any other.
     pub fn queue_rma(&self, write: bool, segs: &[RmaSeg], dest: super::FiAddr, ctx: *mut c_void, dc: bool) -> crate::error::Result<Posted> {
         let n = segs.len();
-        if n == 0 || n > self.caps.rma_batch {
-            return Err(crate::error::Error::Backend(format!("rail {}: batch of {n} segments (limit {})", self.index, self.caps.rma_batch)));
-        }
+        self.check_batch(n)?;
         let mut q = QueuedRma { write, segs: [segs[0]; MAX_RMA_BATCH], n, dest, ctx, dc };
         q.segs[..n].copy_from_slice(segs);
         self.outbox.lock().unwrap_or_else(|p| p.into_inner()).push_back(q);
