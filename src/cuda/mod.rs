@@ -61,4 +61,4 @@ pub fn pointer_info(addr: u64) -> Result<PointerInfo> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

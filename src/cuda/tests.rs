@@ -168,7 +168,7 @@ fn without_a_driver_everything_fails_cleanly() {
 /// Builds mock_cuda.c into a shared library in a directory of the calling test (`who`:
 /// tests run in parallel, and each removes its directory at the end); None (skip) when
 /// there is no C compiler.
-fn build_mock(who: &str) -> Option<PathBuf> {
+pub(crate) fn build_mock(who: &str) -> Option<PathBuf> {
     let dir = std::env::temp_dir().join(format!("nf-cuda-mock-{}-{who}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join("mock_cuda.c");

@@ -1,9 +1,11 @@
-//! State shared by an engine's callers and its driver: identity, configuration, counters,
-//! received notifications, and the hand-over queue into the driver with its wake-up fd.
+//! State shared by an engine's callers, its driver and its transports: identity,
+//! configuration, counters, received notifications, the wake-up fd of the progress thread,
+//! and the registries of device memory and opened IPC allocations.
 use super::counters::{Counters, RailCounters};
-use super::driver::Driver;
-use super::registry::SharedCloseQueue;
-use super::request::Request;
+use super::fd_share::FdServer;
+use super::ipc_cache::IpcCache;
+use super::local_peers::ProcessView;
+use super::registry::{GpuRegistry, SharedCloseQueue};
 use crate::config::Config;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,33 +15,27 @@ use std::time::{Duration, Instant};
 /// kicks its targets every 5 ms (driver::KICK_INTERVAL), which renews it there.
 const RAIL_TRAFFIC_WINDOW: Duration = Duration::from_millis(20);
 
-/// Work handed to the driver: a post, or any closure that must run where the rails are owned.
-pub enum Submit {
-    Post(Arc<Request>),
-    Task(Box<dyn FnOnce(&mut Driver) + Send>),
-}
-
 pub struct Core {
     pub name: String,
     pub engine_id: u64,
+    /// This host's boot id, as our connection info gives it to peers.
+    pub host_id: [u8; 16],
     pub cfg: Config,
     pub conn_info: Vec<u8>,
-    pub counters: Counters,
+    pub counters: Arc<Counters>,
     pub rail_counters: Vec<RailCounters>,
     pub closeq: SharedCloseQueue,
-    pub gpu: Arc<super::gpu::GpuRegistry>,
+    pub gpu: Arc<GpuRegistry>,
     /// Hands the fds of our VMM registrations' chunks to same-host peers (started at the
     /// first such registration).
-    pub fds: Arc<super::fd_share::FdServer>,
+    pub fds: Arc<FdServer>,
     /// Peers' GPU allocations opened here by IPC.
-    pub ipc: super::direct::IpcCache,
+    pub ipc: IpcCache,
     /// Every live registration, as engines of this process (and copy requests) see them.
-    pub view: Arc<super::local_peers::ProcessView>,
+    pub view: Arc<ProcessView>,
     /// Debug only (regression test of the seed bug): never apply captured contexts.
     pub skip_ctx_apply: bool,
     notifs: Mutex<Vec<(String, Vec<u8>)>>,
-    submit: Mutex<Vec<Submit>>,
-    pending: AtomicBool,
     /// The progress thread is (about to be) asleep and needs a write to `wake_fd`.
     sleeping: AtomicBool,
     pub wake_fd: i32,
@@ -57,27 +53,29 @@ pub struct Core {
 }
 
 impl Core {
-    pub fn new(name: &str, engine_id: u64, cfg: Config, conn_info: Vec<u8>, rails: usize, closeq: SharedCloseQueue,
-               view: Arc<super::local_peers::ProcessView>) -> Core {
+    pub fn new(name: &str, engine_id: u64, host_id: [u8; 16], cfg: Config, conn_info: Vec<u8>, rails: usize, closeq: SharedCloseQueue,
+               view: Arc<ProcessView>) -> Core {
         // SAFETY: eventfd takes no pointers; a failure returns -1, which we tolerate (the
         // thread then wakes on its timeout).
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        let counters = Arc::new(Counters::default());
+        let gpu = Arc::new(GpuRegistry::default());
+        let ipc = IpcCache::new(name, counters.clone(), gpu.clone(), cfg.timeout());
         Core {
             name: name.to_string(),
             engine_id,
+            host_id,
             cfg,
             conn_info,
-            counters: Counters::default(),
+            counters,
             rail_counters: (0..rails).map(|_| RailCounters::default()).collect(),
             closeq,
-            gpu: Arc::new(super::gpu::GpuRegistry::default()),
-            fds: Arc::new(super::fd_share::FdServer::new(engine_id)),
-            ipc: super::direct::IpcCache::default(),
+            gpu,
+            fds: Arc::new(FdServer::new(engine_id)),
+            ipc,
             view,
             skip_ctx_apply: std::env::var("NIXL_FABRIC_DEBUG_SKIP_CTX_APPLY").is_ok_and(|v| v == "1"),
             notifs: Mutex::new(Vec::new()),
-            submit: Mutex::new(Vec::new()),
-            pending: AtomicBool::new(false),
             sleeping: AtomicBool::new(false),
             wake_fd,
             rail_gate: (Mutex::new(()), std::sync::Condvar::new()),
@@ -114,21 +112,18 @@ impl Core {
         std::mem::take(&mut *self.notifs.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    pub fn submit(&self, s: Submit) {
-        self.submit.lock().unwrap_or_else(|p| p.into_inner()).push(s);
-        self.pending.store(true, Ordering::SeqCst);
-        self.wake();
+    /// The IPC route is on: config gpu_ipc, and same_host_shm (the switch of every
+    /// same-host path).
+    pub fn ipc_enabled(&self) -> bool {
+        self.cfg.gpu_ipc && self.cfg.same_host_shm
     }
 
-    pub fn has_submitted(&self) -> bool {
-        self.pending.load(Ordering::SeqCst)
-    }
-
-    pub fn take_submitted(&self) -> Vec<Submit> {
-        if !self.pending.swap(false, Ordering::SeqCst) {
-            return Vec::new();
+    /// Makes `ctx` current unless the debug switch says to reproduce the seed bug.
+    pub fn apply_ctx(&self, ctx: &crate::cuda::Context) -> crate::error::Result<()> {
+        if !self.skip_ctx_apply {
+            ctx.make_current()?;
         }
-        std::mem::take(&mut *self.submit.lock().unwrap_or_else(|p| p.into_inner()))
+        Ok(())
     }
 
     pub fn wake(&self) {

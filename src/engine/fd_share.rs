@@ -98,7 +98,7 @@ impl FdServer {
         if self.stop.load(Ordering::Acquire) {
             return Err(Error::NotAllowed("engine is shut down".into()));
         }
-        let name = format!("nixl-fabric-fd-{:016x}-{:016x}", self.engine_id, super::random_u64()).into_bytes();
+        let name = format!("nixl-fabric-fd-{:016x}-{:016x}", self.engine_id, super::ids::random_u64()).into_bytes();
         let addr = SocketAddr::from_abstract_name(&name).map_err(|e| Error::Backend(format!("socket name: {e}")))?;
         let l = UnixListener::bind_addr(&addr).map_err(|e| Error::Backend(format!("bind of the fd socket: {e}")))?;
         l.set_nonblocking(true).map_err(|e| Error::Backend(format!("fd socket: {e}")))?;

@@ -1,11 +1,7 @@
-//! GPU memory in the engine: classifying registrations, the per-engine registry of device
-//! regions and their captured contexts (DESIGN rule 4), and copies for loopback.
-use super::registry::LocalMem;
+//! GPU memory in the engine: classifying registrations (capturing their context, DESIGN
+//! rule 4) and copies for loopback. The registry of device regions is in registry.rs.
 use crate::cuda;
 use crate::error::{Error, Result};
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, Weak};
 
 /// What a VRAM registration captured: its owning context and device, and whether peers
 /// reach it through staging (no FI_HMEM MR) or directly. For VMM memory, which belongs to
@@ -69,76 +65,6 @@ fn vmm_span_ok(d: &cuda::Driver, ordinal: i32, addr: u64, len: u64) -> bool {
         at = base + size;
     }
     true
-}
-
-/// The engine's device regions (for checking peers' stage requests) and the distinct
-/// contexts they were captured from. `version` changes whenever the context list does, so
-/// the driver refreshes its copy cheaply.
-#[derive(Default)]
-pub struct GpuRegistry {
-    regions: Mutex<BTreeMap<u64, Weak<LocalMem>>>,
-    contexts: Mutex<Vec<(cuda::Context, usize)>>,
-    version: AtomicU64,
-}
-
-impl GpuRegistry {
-    pub fn add(&self, mem: &std::sync::Arc<LocalMem>, ctx: cuda::Context) {
-        let mut r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
-        r.retain(|_, w| w.strong_count() > 0);
-        r.insert(mem.base, std::sync::Arc::downgrade(mem));
-        drop(r);
-        self.add_context(ctx);
-    }
-
-    pub fn remove(&self, base: u64, ctx: cuda::Context) {
-        self.regions.lock().unwrap_or_else(|p| p.into_inner()).remove(&base);
-        self.remove_context(ctx);
-    }
-
-    /// Counts one more user of `ctx` (a registration, or a peer's allocation opened in it):
-    /// the progress loop applies every context in use.
-    pub fn add_context(&self, ctx: cuda::Context) {
-        let mut c = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        match c.iter_mut().find(|(x, _)| x.id() == ctx.id()) {
-            Some((_, n)) => *n += 1,
-            None => {
-                c.push((ctx, 1));
-                self.version.fetch_add(1, Ordering::Release);
-            }
-        }
-    }
-
-    pub fn remove_context(&self, ctx: cuda::Context) {
-        let mut c = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = c.iter().position(|(x, _)| x.id() == ctx.id()) {
-            c[i].1 -= 1;
-            if c[i].1 == 0 {
-                c.remove(i);
-                self.version.fetch_add(1, Ordering::Release);
-            }
-        }
-    }
-
-    pub fn version(&self) -> u64 {
-        self.version.load(Ordering::Acquire)
-    }
-
-    pub fn has_contexts(&self) -> bool {
-        !self.contexts.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
-    }
-
-    pub fn contexts(&self) -> Vec<cuda::Context> {
-        self.contexts.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(c, _)| *c).collect()
-    }
-
-    /// The live device registration holding all of `[addr, addr+len)`, if any.
-    pub fn find(&self, addr: u64, len: u64) -> Option<std::sync::Arc<LocalMem>> {
-        let r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
-        let (_, w) = r.range(..=addr).next_back()?;
-        let m = w.upgrade()?;
-        m.check(addr, len, "stage request").ok()?;
-        Some(m)
-    }
 }
 
 /// Loopback copy where either side may be device memory.

@@ -9,16 +9,41 @@ use std::sync::Arc;
 
 pub enum OpKind {
     Free,
-    /// An RMA read or write of request `req`, posted in its post number `epoch`.
-    /// `inline`: shm's fast RMA, which the provider finishes inside the post call.
-    Rma { req: Arc<Request>, epoch: u64, rail: u16, len: u64, inline: bool },
+    /// An operation a transport posted; its completion goes back to that transport.
+    Transport(TOp),
     /// A control message leaving from send buffer `buf`, possibly completing a request's
     /// notification phase.
     Send { buf: u32, req: Option<(Arc<Request>, u64)>, notif: bool },
     /// A pre-posted control receive into buffer `buf`.
     Recv { buf: u32 },
-    /// An RMA of a staged chunk: ours (`serve` false) or one we serve for a peer.
-    StageRma { token: u64, serve: bool },
+}
+
+/// A transport's operation: `owner` is the transport's place in the driver's list, the
+/// rest is the transport's own note of what the operation was for. `req`/`epoch` name the
+/// post it belongs to, if any (the driver takes back a failed request's queued operations
+/// by it); `rail` the rail whose in-flight slot it holds (`slot`); `inline`: shm's fast
+/// RMA, which the provider finishes inside the post call.
+pub struct TOp {
+    pub owner: u8,
+    /// The transport's own kind of operation (e.g. a chunk's RMA or one it serves).
+    pub tag: u8,
+    pub rail: u16,
+    pub slot: bool,
+    pub inline: bool,
+    pub req: Option<Arc<Request>>,
+    pub epoch: u64,
+    pub token: u64,
+    pub len: u64,
+}
+
+impl TOp {
+    pub fn is_of(&self, req: &Arc<Request>) -> bool {
+        self.req.as_ref().is_some_and(|r| Arc::ptr_eq(r, req))
+    }
+
+    pub fn peer_id(&self) -> Option<u64> {
+        self.req.as_ref().and_then(|r| r.peer().map(|p| p.id))
+    }
 }
 
 #[repr(C)]

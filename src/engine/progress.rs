@@ -2,7 +2,9 @@
 //! pause while work is outstanding, and when idle sleeps on the CQ wait fds (where the
 //! provider offers them) and the engine's wake-up eventfd, bounded by the idle delay.
 use super::core::Core;
-use super::driver::{Driver, Idle, Pass};
+use super::driver::{Driver, Pass};
+use super::port::Port;
+use super::inbox::Inbox;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -32,13 +34,13 @@ const CALLER_WINDOW: Duration = Duration::from_millis(1);
 const CALLER_GAP: Duration = Duration::from_micros(20);
 const CALLER_NAP: Duration = Duration::from_micros(200);
 
-pub fn spawn(core: Arc<Core>, driver: Arc<Mutex<Driver>>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
+pub fn spawn(core: Arc<Core>, driver: Arc<Mutex<Driver>>, inbox: Arc<Inbox<Driver>>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("nf-progress-{}", core.name.chars().take(4).collect::<String>()))
-        .spawn(move || run(&core, &driver, &stop))
+        .spawn(move || run(&core, &driver, &inbox, &stop))
 }
 
-fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
+fn run(core: &Core, driver: &Mutex<Driver>, inbox: &Inbox<Driver>, stop: &AtomicBool) {
     // Naps are short; without this the kernel stretches each by its default 50 µs slack.
     // SAFETY: prctl with PR_SET_TIMERSLACK takes an integer and touches no memory.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0, 0, 0) };
@@ -85,11 +87,11 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
         let cap = if core.cfg.progress_delay_us == 0 && last_work.elapsed() > DEEP_IDLE_AFTER { DEEP_IDLE_US } else { idle_us };
         nap = (nap * 2).clamp(MIN_NAP_US, cap);
         core.set_sleeping(true);
-        if core.has_submitted() || stop.load(Ordering::Acquire) {
+        if inbox.has_items() || stop.load(Ordering::Acquire) {
             core.set_sleeping(false);
             continue;
         }
-        let fds = driver.lock().unwrap_or_else(|p| p.into_inner()).idle_fds();
+        let fds = idle_fds(driver.lock().unwrap_or_else(|p| p.into_inner()).rails());
         let mut pfds = vec![libc::pollfd { fd: core.wake_fd, events: libc::POLLIN, revents: 0 }];
         match &fds {
             Idle::Fds(f) => pfds.extend(f.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })),
@@ -105,4 +107,33 @@ fn run(core: &Core, driver: &Mutex<Driver>, stop: &AtomicBool) {
         core.clear_wake();
         core.set_sleeping(false);
     }
+}
+
+/// What an idle progress thread may wait on.
+enum Idle {
+    /// Some CQ has no wait fd: sleep on a timer only.
+    NoFds,
+    /// fi_trywait says events are pending: pass again instead of sleeping.
+    Busy,
+    Fds(Vec<i32>),
+}
+
+/// Whether the thread may sleep now, and on which CQ fds.
+fn idle_fds(rails: &[Arc<dyn Port>]) -> Idle {
+    let mut fds = Vec::with_capacity(rails.len());
+    for r in rails {
+        if !r.has_wait_fd() {
+            // shm in fast-RMA mode (no fd) needs us only to recycle its command slots,
+            // which the timed naps do; the other rails' fds still wake us for messages.
+            if r.caps().sync_rma {
+                continue;
+            }
+            return Idle::NoFds;
+        }
+        match r.wait_fd_if_idle() {
+            Some(fd) => fds.push(fd),
+            None => return Idle::Busy,
+        }
+    }
+    Idle::Fds(fds)
 }

@@ -1,10 +1,13 @@
-//! Local registrations and transfer targets (a peer's registration, or one of our own for
-//! loopback), with the bounds checks every descriptor goes through.
-use super::gpu::{DeviceMem, GpuRegistry};
-use super::peer::Peer;
+//! Local registrations, with the bounds checks every descriptor goes through, and the
+//! engine's registry of device regions and their captured contexts (DESIGN rule 4).
+use super::gpu::DeviceMem;
+use super::port::Mr;
 use super::wire::{IpcDesc, MemDesc};
+use crate::cuda;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Weak;
 use crate::error::{Error, Result};
-use crate::fabric::MemoryRegion;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -31,13 +34,13 @@ impl MemKind {
 #[derive(Default)]
 pub struct CloseQueue {
     closed: bool,
-    items: Vec<MemoryRegion>,
+    items: Vec<Mr>,
 }
 
 pub type SharedCloseQueue = Arc<Mutex<CloseQueue>>;
 
 impl CloseQueue {
-    pub fn push(q: &SharedCloseQueue, mrs: Vec<MemoryRegion>) {
+    pub fn push(q: &SharedCloseQueue, mrs: Vec<Mr>) {
         let mut g = q.lock().unwrap_or_else(|p| p.into_inner());
         if g.closed {
             drop(g);
@@ -46,10 +49,10 @@ impl CloseQueue {
             g.items.extend(mrs);
         }
     }
-    pub fn drain(q: &SharedCloseQueue) -> Vec<MemoryRegion> {
+    pub fn drain(q: &SharedCloseQueue) -> Vec<Mr> {
         std::mem::take(&mut q.lock().unwrap_or_else(|p| p.into_inner()).items)
     }
-    pub fn close(q: &SharedCloseQueue) -> Vec<MemoryRegion> {
+    pub fn close(q: &SharedCloseQueue) -> Vec<Mr> {
         let mut g = q.lock().unwrap_or_else(|p| p.into_inner());
         g.closed = true;
         std::mem::take(&mut g.items)
@@ -77,14 +80,14 @@ pub struct LocalMem {
     /// Host memory page-locked for direct GPU copies, on first such use (None inside: it
     /// could not be, e.g. it was pinned already).
     pinned: std::sync::OnceLock<Option<crate::cuda::HostRegistration>>,
-    mrs: Vec<MemoryRegion>,
+    mrs: Vec<Mr>,
     closeq: SharedCloseQueue,
     gpu: Option<Arc<GpuRegistry>>,
 }
 
 impl LocalMem {
     #[allow(clippy::too_many_arguments)]
-    pub fn new(engine_id: u64, base: u64, len: u64, kind: MemKind, dev_id: u64, rails: usize, mrs: Vec<MemoryRegion>,
+    pub fn new(engine_id: u64, base: u64, len: u64, kind: MemKind, dev_id: u64, rails: usize, mrs: Vec<Mr>,
                closeq: SharedCloseQueue, dev: Option<DeviceMem>, gpu: Option<Arc<GpuRegistry>>) -> LocalMem {
         // Staged device memory has no MRs; its key slots stay 0 so descriptors keep their shape.
         let keys = if mrs.is_empty() { vec![0; rails] } else { mrs.iter().map(|m| m.key).collect() };
@@ -158,36 +161,73 @@ pub fn check_range(base: u64, size: u64, addr: u64, len: u64, what: &str) -> Res
     }
 }
 
-/// Where a transfer's remote side lives.
-pub enum RemoteMem {
-    /// A peer's registration, as described by its public descriptor. `opened`: its GPU
-    /// allocation opened here by IPC, kept while the descriptor is loaded so that every
-    /// request to it shares one mapping.
-    Peer { peer: Arc<Peer>, desc: MemDesc, opened: Mutex<Vec<Arc<super::direct::IpcEntry>>> },
-    /// One of our own registrations (loopback); keeps it alive.
-    Local(Arc<LocalMem>),
+/// The engine's device regions (for checking peers' stage requests) and the distinct
+/// contexts they were captured from. `version` changes whenever the context list does, so
+/// the driver refreshes its copy cheaply.
+#[derive(Default)]
+pub struct GpuRegistry {
+    regions: Mutex<BTreeMap<u64, Weak<LocalMem>>>,
+    contexts: Mutex<Vec<(cuda::Context, usize)>>,
+    version: AtomicU64,
 }
 
-impl RemoteMem {
-    /// Whether this target is [addr, addr+len) of `kind`, as a caller believes.
-    pub fn matches(&self, addr: u64, len: u64, kind: MemKind) -> Result<()> {
-        let (base, size, k) = match self {
-            RemoteMem::Peer { desc, .. } => (desc.base, desc.len, desc.mem_type as u32),
-            RemoteMem::Local(m) => (m.base, m.len, m.kind as u32),
-        };
-        if base != addr || size != len || k != kind as u32 {
-            return Err(Error::Mismatch(format!(
-                "descriptor is [{base:#x}, +{size}) type {k}, expected [{addr:#x}, +{len}) type {}", kind as u32
-            )));
-        }
-        Ok(())
+impl GpuRegistry {
+    pub fn add(&self, mem: &Arc<LocalMem>, ctx: cuda::Context) {
+        let mut r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        r.retain(|_, w| w.strong_count() > 0);
+        r.insert(mem.base, Arc::downgrade(mem));
+        drop(r);
+        self.add_context(ctx);
     }
 
-    pub fn check(&self, addr: u64, len: u64) -> Result<()> {
-        match self {
-            RemoteMem::Peer { desc, .. } => check_range(desc.base, desc.len, addr, len, "remote descriptor"),
-            RemoteMem::Local(m) => m.check(addr, len, "remote (loopback) descriptor"),
+    pub fn remove(&self, base: u64, ctx: cuda::Context) {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).remove(&base);
+        self.remove_context(ctx);
+    }
+
+    /// Counts one more user of `ctx` (a registration, or a peer's allocation opened in it):
+    /// the progress loop applies every context in use.
+    pub fn add_context(&self, ctx: cuda::Context) {
+        let mut c = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        match c.iter_mut().find(|(x, _)| x.id() == ctx.id()) {
+            Some((_, n)) => *n += 1,
+            None => {
+                c.push((ctx, 1));
+                self.version.fetch_add(1, Ordering::Release);
+            }
         }
+    }
+
+    pub fn remove_context(&self, ctx: cuda::Context) {
+        let mut c = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = c.iter().position(|(x, _)| x.id() == ctx.id()) {
+            c[i].1 -= 1;
+            if c[i].1 == 0 {
+                c.remove(i);
+                self.version.fetch_add(1, Ordering::Release);
+            }
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    pub fn has_contexts(&self) -> bool {
+        !self.contexts.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    }
+
+    pub fn contexts(&self) -> Vec<cuda::Context> {
+        self.contexts.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(c, _)| *c).collect()
+    }
+
+    /// The live device registration holding all of `[addr, addr+len)`, if any.
+    pub fn find(&self, addr: u64, len: u64) -> Option<Arc<LocalMem>> {
+        let r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        let (_, w) = r.range(..=addr).next_back()?;
+        let m = w.upgrade()?;
+        m.check(addr, len, "stage request").ok()?;
+        Some(m)
     }
 }
 

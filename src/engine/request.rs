@@ -1,8 +1,11 @@
 //! Transfer requests: descriptor pairs turned into rail segments once at preparation, then
 //! posted any number of times. The status is an atomic the caller polls; everything the
 //! driver tracks while a post is in flight sits in `ReqState`.
+use super::ipc_cache::Keep;
 use super::peer::Peer;
-use super::registry::{LocalMem, RemoteMem};
+use super::registry::LocalMem;
+use super::remote::RemoteMem;
+use super::counters::{add, Counters};
 use crate::error::{Error, Status};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -42,8 +45,9 @@ pub enum SegKind {
     HostToDev { self_addr: u64, self_key: u64 },
     /// Staged device memory on both sides: our bounce slot, and the peer pulls or pushes it.
     DevToDev { ctx: crate::cuda::Context },
-    /// Loopback where either side is device memory (copy through the CUDA driver).
-    LocalDev { local: Option<super::gpu::DeviceMem>, remote: Option<super::gpu::DeviceMem> },
+    /// Loopback: both sides are our own memory (copied here; through the CUDA driver where
+    /// either side is device memory).
+    Loopback { local: Option<super::gpu::DeviceMem>, remote: Option<super::gpu::DeviceMem> },
     /// A same-host peer's memory addressable here (`raddr` is an address of this process):
     /// one copy by the initiator, on the GPU under `ctx`, or memcpy where both sides are
     /// host memory (module direct). `dev`: both ends are device memory, so a kernel may
@@ -55,6 +59,33 @@ pub enum SegKind {
     /// A same-host peer process's host memory, reachable by cross-memory attach: copied by
     /// process_vm_writev/readv toward process `pid` (module cma_copy).
     Cma { pid: u32 },
+}
+
+/// Which transport moves a segment. The scheduler picks it (through the segment's kind);
+/// the driver looks the transport up by it and never names one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    Rma,
+    Staging,
+    Direct,
+    Cma,
+    Loopback,
+}
+
+impl Route {
+    pub const COUNT: usize = 5;
+}
+
+impl SegKind {
+    pub fn route(&self) -> Route {
+        match self {
+            SegKind::Rma => Route::Rma,
+            SegKind::DevToHost { .. } | SegKind::HostToDev { .. } | SegKind::DevToDev { .. } => Route::Staging,
+            SegKind::Direct { .. } | SegKind::PeerCopy { .. } => Route::Direct,
+            SegKind::Cma { .. } => Route::Cma,
+            SegKind::Loopback { .. } => Route::Loopback,
+        }
+    }
 }
 
 pub enum Target {
@@ -88,11 +119,18 @@ pub struct ReqState {
     pub last_progress: Instant,
     pub phase: Phase,
     pub cancelled: bool,
+    /// The transports' finishing steps (flush reads) are out, or were not needed.
+    pub flushing: bool,
+    /// What transports note about the current post (see `Marks`).
+    pub marks: Marks,
+}
+
+/// What the transports note about a post while starting it, for the steps after its data.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct Marks {
     /// Rails this post wrote on without delivery-complete (bit per rail): each gets a
     /// flush read before the data counts as delivered.
     pub unflushed: u64,
-    /// The flush reads are out (or were not needed).
-    pub flushing: bool,
     /// Batches of this request's host copies still running on the copy threads (any
     /// epoch): they write into registered memory with no provider in between, so a
     /// release or repost waits for them even when the peer is gone.
@@ -109,11 +147,82 @@ pub struct Request {
     _local: Vec<Arc<LocalMem>>,
     _remote: Vec<Arc<RemoteMem>>,
     /// Peers' memory the direct segments use (IPC mappings, same-process registrations).
-    pub keeps: Vec<super::direct::Keep>,
+    pub keeps: Vec<Keep>,
+}
+
+/// A provider flushes operations it can no longer complete (the connection died) as
+/// canceled; only the owner cancels on purpose, so any other cancel is a lost peer.
+pub fn flushed_as_disconnect(e: Error, cancelled_by_owner: bool) -> Error {
+    match e {
+        Error::Completion { errno, .. } if errno == libc::ECANCELED && !cancelled_by_owner => {
+            Error::Disconnected(format!("{e} (flushed by the provider: connection lost)"))
+        }
+        e => e,
+    }
+}
+
+/// What ended: a piece of post `epoch` that moved `bytes` or failed; `local_copy`: a batch
+/// of host copies (Marks::local_copies).
+pub struct PieceEnd {
+    pub epoch: u64,
+    pub bytes: u64,
+    pub res: Result<(), Error>,
+    pub local_copy: bool,
+}
+
+impl ReqState {
+    /// One outstanding piece of a post ended: counts its bytes or its failure (which stops
+    /// the post's remaining segments). Returns whether the post's data phase is over.
+    pub fn piece_ended(&mut self, req: &Request, p: PieceEnd, c: &Counters) -> bool {
+        self.inflight_total = self.inflight_total.saturating_sub(1);
+        if p.local_copy {
+            self.marks.local_copies = self.marks.local_copies.saturating_sub(1);
+        }
+        if p.epoch != self.epoch || self.phase != Phase::Data {
+            return false;
+        }
+        self.last_progress = Instant::now();
+        self.outstanding = self.outstanding.saturating_sub(1);
+        match p.res {
+            Ok(()) => {
+                add(if req.op == Op::Write { &c.bytes_written } else { &c.bytes_read }, p.bytes);
+                add(&c.ops_completed, 1);
+            }
+            Err(e) => {
+                add(&c.ops_failed, 1);
+                let e = flushed_as_disconnect(e, self.cancelled);
+                self.error.get_or_insert(e);
+                self.next = req.segs.len();
+            }
+        }
+        self.outstanding == 0 && self.next >= req.segs.len()
+    }
+
+    /// The post ends with `res`: its status is published. Returns whether it succeeded.
+    pub fn end(&mut self, req: &Request, res: Result<(), Error>, core: &super::core::Core) -> bool {
+        self.phase = Phase::Done;
+        let c = &core.counters;
+        match res {
+            Ok(()) => {
+                add(&c.requests_completed, 1);
+                req.set_status(Status::NF_SUCCESS);
+                true
+            }
+            Err(e) => {
+                add(&c.requests_failed, 1);
+                let s = e.status();
+                if !matches!(e, Error::Canceled) {
+                    log::error!("{}: transfer to agent '{}' failed: {e} -> {}", core.name, req.peer_name(), s.name());
+                }
+                req.set_status(s);
+                false
+            }
+        }
+    }
 }
 
 impl Request {
-    pub fn new(op: Op, target: Target, segs: Vec<Seg>, local: Vec<Arc<LocalMem>>, remote: Vec<Arc<RemoteMem>>) -> Request {
+    pub fn new(op: Op, target: Target, segs: Vec<Seg>, local: Vec<Arc<LocalMem>>, remote: Vec<Arc<RemoteMem>>, keeps: Vec<Keep>) -> Request {
         let bytes = segs.iter().map(|s| s.len).sum();
         Request {
             op,
@@ -131,13 +240,12 @@ impl Request {
                 last_progress: Instant::now(),
                 phase: Phase::Idle,
                 cancelled: false,
-                unflushed: 0,
                 flushing: false,
-                local_copies: 0,
+                marks: Marks::default(),
             }),
             _local: local,
             _remote: remote,
-            keeps: Vec::new(),
+            keeps,
         }
     }
 
@@ -153,6 +261,15 @@ impl Request {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Our id of the peer (0 for loopback, which has none).
+    pub fn peer_id(&self) -> u64 {
+        self.peer().map_or(0, |p| p.id)
+    }
+
+    pub fn peer_name(&self) -> &str {
+        self.peer().map_or("", |p| p.name.as_str())
+    }
+
     pub fn peer(&self) -> Option<&Arc<Peer>> {
         match &self.target {
             Target::Peer(p) => Some(p),
@@ -165,4 +282,30 @@ impl Request {
 pub fn dedup_arcs<T>(v: impl Iterator<Item = Arc<T>>) -> Vec<Arc<T>> {
     let mut seen = std::collections::HashSet::new();
     v.filter(|a| seen.insert(Arc::as_ptr(a) as usize)).collect()
+}
+
+/// Deadlines (rule 2): of the requests `active`, those still running whose peer completed
+/// nothing for `timeout` (and that have no host copies running: a long one is progress,
+/// not a silent peer), with the error that fails them; the others stay.
+/// `heard(peer id)`: when the peer last completed anything of ours.
+pub fn overdue(active: Vec<Arc<Request>>, heard: impl Fn(u64) -> Option<Instant>, timeout: std::time::Duration, now: Instant)
+    -> (Vec<Arc<Request>>, Vec<(Arc<Request>, Error)>) {
+    let mut keep = Vec::with_capacity(active.len());
+    let mut late = Vec::new();
+    for req in active {
+        let st = req.state();
+        if !matches!(st.phase, Phase::Data | Phase::Notif) {
+            continue;
+        }
+        let last = req.peer().and_then(|p| heard(p.id)).map_or(st.last_progress, |t| t.max(st.last_progress));
+        let expired = now.duration_since(last) > timeout && st.marks.local_copies == 0;
+        drop(st);
+        if expired {
+            let e = Error::Timeout(format!("agent '{}' completed nothing for {} ms", req.peer_name(), timeout.as_millis()));
+            late.push((req, e));
+        } else {
+            keep.push(req);
+        }
+    }
+    (keep, late)
 }

@@ -1,28 +1,6 @@
-//! Host memory of a same-host peer process, moved by cross-memory attach: the initiator
-//! writes or reads the peer's registered DRAM with process_vm_writev/readv, with no rail
-//! and no provider in between (issue 13).
-//!
-//! Why not the shm rail: libfabric's shm makes the same system call, but one per
-//! operation, from our one progress thread, behind the provider's command queue. One call
-//! here carries up to IOV_MAX descriptor pairs (a batch of 4 KiB KV blocks is a handful of
-//! calls), and a large request is cut into pieces that a few copy threads move at once:
-//! one kernel copy runs at one core's memory bandwidth (on the 16-core H200 host a 64 MiB
-//! process_vm_writev moved 4.1 GB/s on one thread and 12.7 GB/s split over four).
-//!
-//! The same pool moves large host-to-host copies between two engines of this process
-//! (direct.rs hands them over, pid THIS_PROCESS): one memcpy thread reaches about a third of
-//! what a 16-core host's memory does.
-//!
-//! Done means delivered (rule 6): the call returns once the bytes are in the peer's pages.
-//! A post checks first that the peer process is the one we connected to (its pidfd; a
-//! reused pid is never written to), and the end of a copy checks again.
-use super::core::Core;
-use super::driver::Driver;
-use super::local_peers::Locality;
-use super::peer::Peer;
-use super::registry::LocalMem;
-use super::wire::MemDesc;
-use super::request::{Op, Phase, ReqState, Request, SegKind};
+//! The copy threads of the CMA transport and what they run: cutting a run of ranges into
+//! pieces, and moving one piece with process_vm_writev/readv (or memcpy between engines of
+//! this process).
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -39,11 +17,8 @@ const MIN_PIECE: u64 = 256 << 10;
 /// Largest piece: bounds how long the driver's thread (or a caller making a pass) copies its
 /// own share of a large request, during which no other peer is served.
 const MAX_PIECE: u64 = 8 << 20;
-/// How recently a peer seen alive needs no new pidfd poll before a copy (pid reuse needs
-/// the pid space to wrap, far longer than this).
-const RECENTLY_ALIVE: std::time::Duration = std::time::Duration::from_micros(200);
 /// Most copy threads an automatic count picks (memory bandwidth, not cores, is the limit).
-const AUTO_MAX_THREADS: usize = 7;
+pub const AUTO_MAX_THREADS: usize = 7;
 
 /// The "peer process" of copies between engines of this process: plain memory copies.
 /// (No process has pid 0, so it cannot name a real peer.)
@@ -55,29 +30,6 @@ pub const POOL_MIN_BYTES: u64 = 2 << 20;
 /// One contiguous range pair: (local address, peer address, length).
 pub type Range = (u64, u64, usize);
 
-/// The CMA route for a descriptor pair, if it has one: our host memory with a same-host peer
-/// process's host memory, the peer reachable by CMA (probed at connect) and watched by a
-/// pidfd (so a post can tell the process is still the same one).
-pub fn plan(core: &Core, peer: &Peer, local: &LocalMem, desc: &MemDesc) -> Option<SegKind> {
-    let cfg = &core.cfg;
-    if !(cfg.same_host_shm && cfg.cma_copy && peer.cma) || local.dev.is_some() || desc.mem_type != 0 || desc.staged || desc.ipc.is_some() {
-        return None;
-    }
-    match (&peer.local, &peer.info.process) {
-        (Locality::SameHost(Some(_)), Some(p)) => Some(SegKind::Cma { pid: p.pid }),
-        _ => None,
-    }
-}
-
-/// Copy threads for this engine: the count `cma_threads` asks for (0: half the cores this
-/// process may run on, at most AUTO_MAX_THREADS, at least one).
-pub fn thread_count(cfg: u64) -> usize {
-    if cfg > 0 {
-        return cfg.min(64) as usize;
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / 2).clamp(1, AUTO_MAX_THREADS)
-}
 
 /// Cuts a run of ranges into pieces for `workers + 1` threads (the driver's own thread copies
 /// one piece too): pieces of about total / (workers + 1) bytes, within MIN_PIECE..MAX_PIECE,
@@ -114,7 +66,7 @@ pub fn copy(pid: u32, write: bool, piece: &[Range]) -> Result<()> {
     if pid == THIS_PROCESS {
         for &(l, r, n) in piece {
             let (d, s) = if write { (r, l) } else { (l, r) };
-            // SAFETY: THIS_PROCESS pieces come from direct.rs: both ranges lie in live
+            // SAFETY: THIS_PROCESS pieces come from the scheduler (same-process host memory): both ranges lie in live
             // registrations of engines of this process, bounds-checked at preparation;
             // `copy` tolerates overlap.
             unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n) };
@@ -188,18 +140,22 @@ pub struct Batch {
 }
 
 impl Batch {
-    fn finish(&self, res: Result<()>) {
+    pub fn new(pieces: usize) -> Arc<Batch> {
+        Arc::new(Batch { left: AtomicUsize::new(pieces), err: Mutex::new(None) })
+    }
+
+    pub fn finish(&self, res: Result<()>) {
         if let Err(e) = res {
             self.err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
         }
         self.left.fetch_sub(1, Ordering::AcqRel);
     }
 
-    fn done(&self) -> bool {
+    pub fn done(&self) -> bool {
         self.left.load(Ordering::Acquire) == 0
     }
 
-    fn result(&self) -> Result<()> {
+    pub fn result(&self) -> Result<()> {
         match self.err.lock().unwrap_or_else(|p| p.into_inner()).take() {
             Some(e) => Err(e),
             None => Ok(()),
@@ -242,7 +198,7 @@ impl Pool {
 
     /// Threads running (0 before the first use, or where none could be started: the driver
     /// then copies every piece itself).
-    fn workers(&mut self) -> usize {
+    pub fn workers(&mut self) -> usize {
         while self.threads.len() < self.want {
             let shared = self.shared.clone();
             let spawned = std::thread::Builder::new().name(format!("nf-cma-{}", self.threads.len())).spawn(move || worker(&shared));
@@ -255,6 +211,16 @@ impl Pool {
             }
         }
         self.threads.len()
+    }
+
+    /// How many threads the pool is meant to have.
+    pub fn wanted(&self) -> usize {
+        self.want
+    }
+
+    /// Hands `pieces` to the threads; each finishes `batch` once when copied.
+    pub fn submit(&self, pid: u32, write: bool, pieces: Vec<Vec<Range>>, batch: &Arc<Batch>) {
+        self.push(pieces.into_iter().map(|piece| Job { pid, write, piece, batch: batch.clone() }).collect());
     }
 
     fn push(&self, jobs: Vec<Job>) {
@@ -296,122 +262,6 @@ fn worker(s: &Shared) {
         };
         let res = copy(job.pid, job.write, &job.piece);
         job.batch.finish(res);
-    }
-}
-
-/// A post whose pieces copy threads are moving.
-struct Track {
-    req: Arc<Request>,
-    epoch: u64,
-    bytes: u64,
-    batch: Arc<Batch>,
-    /// Moved by CMA (not between engines of this process): counted in cma_bytes.
-    cma: bool,
-}
-
-/// The driver's side: the pool and the posts in flight on it.
-pub struct Cma {
-    pool: Pool,
-    tracks: Vec<Track>,
-}
-
-impl Cma {
-    pub fn new(name: &str, threads: usize) -> Cma {
-        Cma { pool: Pool::new(name, threads), tracks: Vec::new() }
-    }
-
-    pub fn idle(&self) -> bool {
-        self.tracks.is_empty()
-    }
-}
-
-impl Driver {
-    /// Starts the run of CMA segments of `req` from `st.next`: cut into pieces, all but one
-    /// handed to the copy threads, one copied here. A run of one piece finishes here.
-    pub(super) fn start_cma(&mut self, req: &Arc<Request>, st: &mut ReqState, pid: u32) -> Result<()> {
-        let first = st.next;
-        let mut end = first;
-        while matches!(req.segs.get(end).map(|s| s.kind), Some(SegKind::Cma { pid: p }) if p == pid) {
-            end += 1;
-        }
-        st.next = end;
-        // The peer must still be the process we connected to (its pidfd), also for a run
-        // that starts passes after the request's first. Seen alive by the check after the
-        // previous copy moments ago counts: one poll per small transfer instead of two (the
-        // two polls were 11 % of a 4 KiB WRITE loop's samples, perf on the CI VM).
-        if let Some(p) = req.peer().filter(|p| !p.local.alive_within(RECENTLY_ALIVE)) {
-            return Err(Error::Disconnected(format!("agent '{}' exited", p.name)));
-        }
-        let ranges: Vec<Range> = req.segs[first..end].iter().map(|s| (s.local, s.raddr, s.len as usize)).collect();
-        self.spread_copies(req, st, pid, ranges)
-    }
-
-    /// Moves `ranges` of `req` with process `pid` (THIS_PROCESS: between engines here): one
-    /// piece on this thread, the others on the pool, the request tracked until they are done.
-    pub(super) fn spread_copies(&mut self, req: &Arc<Request>, st: &mut ReqState, pid: u32, ranges: Vec<Range>) -> Result<()> {
-        let write = req.op == Op::Write;
-        let bytes: u64 = ranges.iter().map(|r| r.2 as u64).sum();
-        let mut pieces = cut(&ranges, self.cma.pool.want);
-        let c = &self.core.counters;
-        if pieces.len() > 1 && self.cma.pool.workers() > 0 {
-            let mine = pieces.swap_remove(0);
-            let batch = Arc::new(Batch { left: AtomicUsize::new(pieces.len() + 1), err: Mutex::new(None) });
-            self.cma.pool.push(pieces.into_iter().map(|piece| Job { pid, write, piece, batch: batch.clone() }).collect());
-            batch.finish(copy(pid, write, &mine));
-            st.outstanding += 1;
-            st.inflight_total += 1;
-            st.local_copies += 1;
-            super::counters::add(&c.ops_posted, 1);
-            self.cma.tracks.push(Track { req: req.clone(), epoch: st.epoch, bytes, batch, cma: pid != THIS_PROCESS });
-            return Ok(());
-        }
-        for p in &pieces {
-            copy(pid, write, p)?;
-        }
-        // As for pooled copies: a process that died meanwhile may have "taken" the bytes.
-        if let Some(p) = req.peer().filter(|p| pid != THIS_PROCESS && !p.local.alive()) {
-            return Err(Error::Disconnected(format!("agent '{}' exited", p.name)));
-        }
-        super::counters::add(if write { &c.bytes_written } else { &c.bytes_read }, bytes);
-        if pid != THIS_PROCESS {
-            super::counters::add(&c.cma_bytes, bytes);
-        }
-        super::counters::add(&c.ops_completed, 1);
-        Ok(())
-    }
-
-    /// Finishes the posts whose pieces have all been copied. Returns whether any were in
-    /// flight.
-    pub(super) fn advance_cma(&mut self) -> bool {
-        if self.cma.tracks.is_empty() {
-            return false;
-        }
-        let tracks = std::mem::take(&mut self.cma.tracks);
-        for t in tracks {
-            if !t.batch.done() {
-                self.cma.tracks.push(t);
-                continue;
-            }
-            let mut st = t.req.state();
-            st.inflight_total = st.inflight_total.saturating_sub(1);
-            st.local_copies = st.local_copies.saturating_sub(1);
-            if st.epoch != t.epoch || st.phase != Phase::Data {
-                continue;
-            }
-            // The copies into a process that died meanwhile may have "succeeded": only its
-            // liveness tells that the bytes reached the peer we meant.
-            let res = t.batch.result().and_then(|_| match t.req.peer() {
-                Some(p) if !p.local.alive() => Err(Error::Disconnected(format!("agent '{}' exited", p.name))),
-                _ => Ok(()),
-            });
-            if res.is_ok() && t.cma {
-                super::counters::add(&self.core.counters.cma_bytes, t.bytes);
-            } else if let Err(e) = &res {
-                log::error!("{}: copy with agent '{}': {e}", self.core.name, t.req.peer().map_or("", |p| p.name.as_str()));
-            }
-            self.piece_done(&t.req, &mut st, t.bytes, res);
-        }
-        true
     }
 }
 

@@ -1,0 +1,212 @@
+//! Device copies for the direct transport: per context, a few streams, the gather-copy
+//! kernel where it runs, and the driver's batch copy where it has one. Queues copies and
+//! returns the events that complete after them.
+use crate::cuda;
+use crate::engine::core::Core;
+use crate::engine::counters::add;
+use crate::error::Result;
+use std::collections::HashMap;
+
+/// Streams per context that single copies are spread over where the driver has no batch
+/// copy: small copies of one descriptor each then overlap on the copy engines.
+const FALLBACK_STREAMS: usize = 4;
+/// Device ranges longer than this go to the copy engines even in a many-range request: one
+/// long range copies as fast there, and would leave most of a shared launch's CTAs idle.
+const KERNEL_MAX_RANGE: usize = 4 << 20;
+/// Fewest ranges worth a launch of their own when a request is spread over the streams.
+const KERNEL_MIN_GROUP: usize = 64;
+
+/// One copy: (destination, source, length).
+pub type Copy = (u64, u64, usize);
+
+#[derive(Default)]
+pub struct Copier {
+    streams: HashMap<usize, Vec<cuda::Stream>>,
+    /// The gather-copy kernel per context (None: it cannot run there; not tried again).
+    kernels: HashMap<usize, Option<cuda::CopyKernel>>,
+    /// The driver refused a batch copy once: not asked again.
+    batch_off: bool,
+    logged: bool,
+}
+
+/// Merges copies whose source and destination both continue where the previous ended (KV
+/// blocks laid out back to back on both sides).
+pub fn coalesce(copies: &mut Vec<Copy>) {
+    let mut out: Vec<Copy> = Vec::with_capacity(copies.len());
+    for &(d, s, n) in copies.iter() {
+        if let Some(last) = out.last_mut() {
+            if last.0 + last.2 as u64 == d && last.1 + last.2 as u64 == s {
+                last.2 += n;
+                continue;
+            }
+        }
+        out.push((d, s, n));
+    }
+    *copies = out;
+}
+
+impl Copier {
+    fn ensure_streams(&mut self, ctx: cuda::Context) -> Result<()> {
+        if !self.streams.contains_key(&ctx.id()) {
+            let mut v = Vec::with_capacity(FALLBACK_STREAMS);
+            for _ in 0..FALLBACK_STREAMS {
+                v.push(cuda::Stream::new(&ctx)?);
+            }
+            self.streams.insert(ctx.id(), v);
+        }
+        Ok(())
+    }
+
+    /// Queues copies on `ctx`'s streams (the context is current): `dev` (device memory at
+    /// both ends) as gather-kernel launches where there are several ranges of at most
+    /// KERNEL_MAX_RANGE; the rest in one batch call where the driver has it, else one copy
+    /// per coalesced range spread over the streams. Returns the events that complete after
+    /// them.
+    ///
+    /// # Safety
+    /// Every range lies in a live registration of ours or in a peer's allocation mapped
+    /// here, held until the returned events complete.
+    pub unsafe fn queue(&mut self, core: &Core, ctx: cuda::Context, mut dev: Vec<Copy>, mut copies: Vec<Copy>) -> Result<Vec<cuda::Event>> {
+        coalesce(&mut dev);
+        self.ensure_streams(ctx)?;
+        let mut events = Vec::with_capacity(FALLBACK_STREAMS * 2);
+        if dev.len() > 1 && core.cfg.gpu_copy_kernel {
+            let (small, large): (Vec<_>, Vec<_>) = dev.into_iter().partition(|c| c.2 <= KERNEL_MAX_RANGE);
+            copies.extend(large);
+            // SAFETY: forwarded from the caller.
+            match unsafe { self.launch_gather(core, ctx, &small) }? {
+                Some(evs) => events.extend(evs),
+                None => copies.extend(small),
+            }
+        } else {
+            copies.extend(dev);
+        }
+        coalesce(&mut copies);
+        if copies.is_empty() {
+            return Ok(events);
+        }
+        let Some(streams) = self.streams.get(&ctx.id()) else { return Ok(events) };
+        let has_batch = cuda::Driver::get().is_ok_and(|d| d.has_batch_copy());
+        let batch = copies.len() > 1 && !self.batch_off && has_batch;
+        let mut copy_events = Vec::with_capacity(FALLBACK_STREAMS);
+        if batch {
+            let mut dsts: Vec<u64> = copies.iter().map(|c| c.0).collect();
+            let mut srcs: Vec<u64> = copies.iter().map(|c| c.1).collect();
+            let mut sizes: Vec<usize> = copies.iter().map(|c| c.2).collect();
+            // SAFETY: forwarded from the caller.
+            match unsafe { streams[0].copy_batch(&mut dsts, &mut srcs, &mut sizes) } {
+                Ok(()) => {
+                    copy_events.push(streams[0].record()?);
+                    add(&core.counters.gpu_batch_calls, 1);
+                }
+                Err(e) if cuda::batch_unsupported(&e) => {
+                    log::info!("{}: the CUDA driver cannot batch copies ({e}); one copy per descriptor from now on", core.name);
+                    self.batch_off = true;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if copy_events.is_empty() {
+            if !self.logged {
+                self.logged = true;
+                log::info!("{}: direct GPU copies: {}", core.name, if !self.batch_off && has_batch {
+                    "cuMemcpyBatchAsync for many descriptors"
+                } else {
+                    "one cuMemcpyAsync per (coalesced) descriptor over 4 streams"
+                });
+            }
+            let used = copies.len().min(streams.len());
+            for (i, (d, s, n)) in copies.iter().enumerate() {
+                // SAFETY: forwarded from the caller.
+                unsafe { streams[i % used].copy_async(*d, *s, *n)? };
+            }
+            for s in &streams[..used] {
+                copy_events.push(s.record()?);
+            }
+            add(&core.counters.gpu_copy_calls, copies.len() as u64);
+        }
+        events.extend(copy_events);
+        Ok(events)
+    }
+
+    /// Launches the gather kernel of `ctx` for `copies` over the streams (one launch per up
+    /// to ranges_per_launch ranges, round robin). None where the kernel cannot run here (not
+    /// loadable, or a launch refused): the caller copies them another way.
+    ///
+    /// # Safety
+    /// As for `queue`; both ends of every range are device memory.
+    unsafe fn launch_gather(&mut self, core: &Core, ctx: cuda::Context, copies: &[Copy]) -> Result<Option<Vec<cuda::Event>>> {
+        if copies.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        if !self.kernels.contains_key(&ctx.id()) {
+            let k = match cuda::CopyKernel::load(&ctx) {
+                Ok(k) => {
+                    log::info!("{}: direct GPU copies of many device ranges: one gather-kernel launch per {} ranges", core.name, k.ranges_per_launch());
+                    Some(k)
+                }
+                Err(e) => {
+                    log::info!("{}: the gather-copy kernel cannot run here ({e}); device ranges go to the copy engines", core.name);
+                    None
+                }
+            };
+            self.kernels.insert(ctx.id(), k);
+        }
+        let (Some(Some(k)), Some(streams)) = (self.kernels.get(&ctx.id()), self.streams.get(&ctx.id())) else {
+            return Ok(None);
+        };
+        let per = k.ranges_per_launch();
+        // Enough groups to use every stream, each within one launch's parameter block.
+        let groups = copies.len().div_ceil(per).max(copies.len().div_ceil(KERNEL_MIN_GROUP).min(FALLBACK_STREAMS));
+        let chunk = copies.len().div_ceil(groups);
+        let mut used = 0;
+        let mut launches = 0;
+        for (i, group) in copies.chunks(chunk).enumerate() {
+            // SAFETY: forwarded from the caller.
+            match unsafe { k.launch(&streams[i % streams.len()], group) } {
+                Ok(n) => launches += n,
+                Err(e) => {
+                    log::info!("{}: the gather-copy kernel failed to launch ({e}); device ranges go to the copy engines", core.name);
+                    // Launches already queued must not outlive the request: wait for them
+                    // (rare: the first launch on a context is where a driver refuses).
+                    for s in &streams[..used] {
+                        s.synchronize()?;
+                    }
+                    self.kernels.insert(ctx.id(), None);
+                    return Ok(None);
+                }
+            }
+            used = used.max(i % streams.len() + 1);
+        }
+        let mut events = Vec::with_capacity(used);
+        for s in &streams[..used] {
+            events.push(s.record()?);
+        }
+        add(&core.counters.gpu_kernel_launches, launches as u64);
+        Ok(Some(events))
+    }
+}
+
+/// Whether every event has completed (under its context, which the caller made current).
+pub fn all_done(events: &[cuda::Event]) -> Result<bool> {
+    let mut done = true;
+    for ev in events {
+        done &= ev.query()?;
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::coalesce;
+
+    #[test]
+    fn coalescing_merges_only_runs_adjacent_on_both_sides() {
+        let mut v = vec![(100, 1000, 10), (110, 1010, 5), (120, 1015, 5), (125, 1020, 1)];
+        coalesce(&mut v);
+        assert_eq!(v, vec![(100, 1000, 15), (120, 1015, 6)]);
+        let mut one = vec![(0, 0, 4)];
+        coalesce(&mut one);
+        assert_eq!(one, vec![(0, 0, 4)]);
+    }
+}

@@ -1,0 +1,251 @@
+//! Direct copies: memory of a same-host peer that this process can address itself, so the
+//! bytes move with one copy and no rail:
+//! - a peer process's GPU memory, opened here from the IPC handle its descriptor carries
+//!   (ipc_cache.rs), and copied by the GPU (copier.rs);
+//! - an engine of this same process, whose registrations are plain addresses here: device
+//!   copies through the driver when either side is VRAM, memcpy for DRAM on both sides;
+//! - our GPU memory with a same-host peer's host memory: the peer copies, since only it can
+//!   address its host memory (PeerCopy segments: we send COPY requests, it answers;
+//!   serving them is copy_serve.rs).
+//!
+//! The initiator does every copy, on its progress loop, under the copy's context (rule 4;
+//! the debug switch that skips applying contexts skips it here too). A copy is done when
+//! its event completes; the notification is sent after that (rule 5).
+mod copier;
+mod copy_serve;
+
+use super::slab::Slab;
+use super::{Cx, Post, Start, Transport};
+use crate::cuda;
+use crate::engine::counters::add;
+use crate::engine::ipc_cache::Keep;
+use crate::engine::request::{Op, Request, Route, SegKind};
+use crate::engine::wire::{self, CopyReq, Ctrl, CtrlType, StageAck};
+use crate::error::{Error, Result, Status};
+use copier::{all_done, Copier};
+use copy_serve::CopyServes;
+use std::sync::Arc;
+
+/// Device copies of one post that are in flight: done when every event completes.
+struct Job {
+    req: Arc<Request>,
+    epoch: u64,
+    bytes: u64,
+    ctx: cuda::Context,
+    events: Vec<cuda::Event>,
+}
+
+/// One copy request we sent: the post it belongs to and the bytes it moves.
+struct Asked {
+    req: Arc<Request>,
+    epoch: u64,
+    bytes: u64,
+    peer_id: u64,
+}
+
+#[derive(Default)]
+pub struct Direct {
+    copier: Copier,
+    jobs: Vec<Job>,
+    /// Copy requests we sent, waiting for the peer's answer.
+    asked: Slab<Asked>,
+    serves: CopyServes,
+}
+
+/// The copy's liveness check: a copy into a peer's memory succeeds even when the peer died
+/// meanwhile; only its liveness tells that nobody will see the bytes.
+fn peer_alive(req: &Request) -> Result<()> {
+    match req.peer() {
+        Some(p) if !p.local.alive() => Err(Error::Disconnected(format!("agent '{}' exited", p.name))),
+        _ => Ok(()),
+    }
+}
+
+impl Direct {
+    /// Starts the run of Direct segments from `at` that share one context: host copies
+    /// finish here; device copies are queued and tracked as one job. Returns the segments
+    /// taken and the pieces outstanding.
+    fn start_copies(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, at: usize, ctx: Option<cuda::Context>) -> Result<(usize, usize)> {
+        let mut end = at;
+        while matches!(req.segs.get(end).map(|s| s.kind), Some(SegKind::Direct { ctx: c, .. }) if c == ctx) {
+            end += 1;
+        }
+        let write = req.op == Op::Write;
+        let (mut dev, mut copies) = (Vec::new(), Vec::with_capacity(end - at));
+        for s in &req.segs[at..end] {
+            let c = if write { (s.raddr, s.local, s.len as usize) } else { (s.local, s.raddr, s.len as usize) };
+            match s.kind {
+                SegKind::Direct { dev: true, .. } => dev.push(c),
+                _ => copies.push(c),
+            }
+        }
+        let bytes: u64 = dev.iter().chain(&copies).map(|c| c.2 as u64).sum();
+        let Some(ctx) = ctx else {
+            for (d, s, n) in copies.into_iter().chain(dev) {
+                // SAFETY: both ranges lie in live registrations of engines of this process
+                // (bounds-checked at preparation, the peer's checked to exist at post);
+                // `copy` tolerates overlap.
+                unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n) };
+            }
+            let c = &cx.core.counters;
+            add(if write { &c.bytes_written } else { &c.bytes_read }, bytes);
+            add(&c.ops_completed, 1);
+            return Ok((end - at, 0));
+        };
+        cx.core.apply_ctx(&ctx)?;
+        // SAFETY: every range lies in a live registration of ours or in a peer's allocation
+        // mapped here; the request keeps both (its keeps) until the job's events complete.
+        let events = unsafe { self.copier.queue(cx.core, ctx, dev, copies) }?;
+        add(&cx.core.counters.ops_posted, 1);
+        self.jobs.push(Job { req: req.clone(), epoch, bytes, ctx, events });
+        Ok((end - at, 1))
+    }
+
+    /// Sends copy requests for the run of PeerCopy segments from `at` that name allocation
+    /// `alloc`, as many as the control buffers need.
+    fn start_peer_copy(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, at: usize, alloc: u64) -> Result<(usize, usize)> {
+        let peer = req.peer().cloned().ok_or_else(|| Error::Backend("copy request without a peer".into()))?;
+        let ipc = req.keeps.iter().find_map(|k| match k {
+            Keep::Export(i) if i.alloc_base == alloc => Some(i.clone()),
+            _ => None,
+        }).ok_or_else(|| Error::Backend("copy request for an allocation the request does not export".into()))?;
+        let per_msg = cx.ctrl_room.saturating_sub(64 + ipc.encoded_len()) / 24;
+        let per_msg = per_msg.clamp(1, wire::COPY_MAX_RANGES);
+        let mut end = at;
+        while matches!(req.segs.get(end).map(|s| s.kind), Some(SegKind::PeerCopy { alloc: a }) if a == alloc) {
+            end += 1;
+        }
+        let dest = cx.conns.ctrl_addr(peer.id)?;
+        let to_receiver = req.op == Op::Write;
+        let mut pieces = 0;
+        for chunk in req.segs[at..end].chunks(per_msg) {
+            let bytes = chunk.iter().map(|s| s.len).sum();
+            let token = self.asked.insert(Asked { req: req.clone(), epoch, bytes, peer_id: peer.id });
+            let msg = CopyReq { token, to_receiver, ipc: ipc.clone(), ranges: chunk.iter().map(|s| (s.local, s.raddr, s.len)).collect() };
+            cx.ctrl(peer.id, dest, CtrlType::Copy, &msg.encode());
+            pieces += 1;
+            add(&cx.core.counters.ops_posted, 1);
+        }
+        Ok((end - at, pieces))
+    }
+
+    fn finish(cx: &mut Cx, req: Arc<Request>, epoch: u64, bytes: u64, res: Result<()>) {
+        let res = res.and_then(|_| peer_alive(&req));
+        if res.is_ok() {
+            add(&cx.core.counters.gpu_direct_bytes, bytes);
+        }
+        cx.piece(req, epoch, bytes, res);
+    }
+
+    /// The peer's answer to one of our copy requests.
+    fn on_copy_ack(&mut self, cx: &mut Cx, sender_id: u64, sender: &str, a: StageAck) {
+        let Some(asked) = self.asked.remove(a.token) else { return };
+        let status = Status::from_code(a.status);
+        let res = if status == Status::NF_SUCCESS {
+            Ok(())
+        } else {
+            if status == Status::NF_ERR_NOT_SUPPORTED {
+                log::info!("{}: agent '{sender}' cannot open our GPU memory by IPC; copies with its host memory are staged from now on", cx.core.name);
+                cx.core.ipc.refuse(sender_id);
+            }
+            Err(Error::Backend(format!("agent '{sender}' could not copy: {}", status.name())))
+        };
+        Self::finish(cx, asked.req, asked.epoch, asked.bytes, res);
+    }
+}
+
+impl Transport for Direct {
+    fn name(&self) -> &'static str {
+        "direct"
+    }
+
+    fn route(&self) -> Route {
+        Route::Direct
+    }
+
+    fn start(&mut self, cx: &mut Cx, post: Post) -> Start {
+        let Post { req, epoch, at, .. } = post;
+        let (mut i, mut pieces) = (at, 0);
+        while let Some(s) = req.segs.get(i) {
+            let res = match s.kind {
+                SegKind::Direct { ctx, .. } => self.start_copies(cx, req, epoch, i, ctx),
+                SegKind::PeerCopy { alloc } => self.start_peer_copy(cx, req, epoch, i, alloc),
+                _ => break,
+            };
+            match res {
+                Ok((segs, p)) => {
+                    i += segs;
+                    pieces += p;
+                }
+                Err(e) => {
+                    log::error!("{}: direct copy for agent '{}': {e}", cx.core.name, req.peer_name());
+                    return Start::failed(i - at, pieces, e);
+                }
+            }
+        }
+        Start::went(i - at, pieces)
+    }
+
+    fn on_control(&mut self, cx: &mut Cx, msg: &Ctrl<'_>) -> bool {
+        match msg.kind {
+            CtrlType::Copy => match CopyReq::decode(msg.payload) {
+                Ok(c) => self.serves.request(cx, &mut self.copier, msg.sender_id, msg.sender, c),
+                Err(e) => log::warn!("{}: dropping a copy request from '{}': {e}", cx.core.name, msg.sender),
+            },
+            CtrlType::CopyAck => match StageAck::decode(msg.payload) {
+                Ok(a) => self.on_copy_ack(cx, msg.sender_id, msg.sender, a),
+                Err(e) => log::warn!("{}: dropping a copy answer from '{}': {e}", cx.core.name, msg.sender),
+            },
+            _ => return false,
+        }
+        true
+    }
+
+    /// Polls the device copies in flight and the copies served for peers.
+    fn advance(&mut self, cx: &mut Cx) -> bool {
+        let mut work = self.serves.advance(cx);
+        if self.jobs.is_empty() {
+            return work;
+        }
+        work = true;
+        for job in std::mem::take(&mut self.jobs) {
+            match cx.core.apply_ctx(&job.ctx).and_then(|_| all_done(&job.events)) {
+                Ok(false) => self.jobs.push(job),
+                Ok(true) => Self::finish(cx, job.req, job.epoch, job.bytes, Ok(())),
+                Err(e) => Self::finish(cx, job.req, job.epoch, job.bytes, Err(e)),
+            }
+        }
+        work
+    }
+
+    /// Waits for the device copies toward the peer to end (they finish on their own; the
+    /// GPU does not wait for the peer), so its mappings can be closed under no running copy,
+    /// and ends the copy requests it will never answer.
+    fn drop_peer(&mut self, cx: &mut Cx, peer_id: u64, engine_id: u64) {
+        for job in &self.jobs {
+            if job.req.peer().is_some_and(|p| p.id == peer_id) {
+                for ev in &job.events {
+                    if let Err(e) = ev.synchronize() {
+                        log::warn!("{}: waiting for a copy to a disconnected peer: {e}", cx.core.name);
+                    }
+                }
+            }
+        }
+        cx.core.ipc.close_peer(engine_id);
+        for token in self.asked.tokens() {
+            if self.asked.get_mut(token).is_some_and(|a| a.peer_id == peer_id) {
+                if let Some(a) = self.asked.remove(token) {
+                    Self::finish(cx, a.req, a.epoch, 0, Err(Error::Disconnected("peer was disconnected".into())));
+                }
+            }
+        }
+    }
+
+    fn sweep(&mut self, cx: &mut Cx) {
+        self.serves.forget_exited(cx);
+    }
+
+    fn idle(&self) -> bool {
+        self.jobs.is_empty() && self.asked.is_empty() && self.serves.idle()
+    }
+}

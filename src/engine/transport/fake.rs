@@ -1,0 +1,435 @@
+//! A rail that is no provider, for unit tests of the transports and the driver's loop: it
+//! answers posts from a script (FI_EAGAIN storms, failed posts), moves the bytes of
+//! accepted RMA itself (remote addresses are addresses of this process), and hands out
+//! completions late, out of order, or as errors, as the test asks. `Bench` is what a
+//! transport needs around it (core, ops pool, peers, rail slots, outcomes).
+use super::{Cx, Outcome, Piece, RailSlots, Transport};
+use crate::config::Config;
+use crate::engine::conns::{Conn, Conns};
+use crate::engine::core::Core;
+use crate::engine::local_peers::{Locality, ProcessView};
+use crate::engine::ops::{OpKind, OpPool};
+use crate::engine::peer::{Peer, RoutePair};
+use crate::engine::port::{Mr, Port};
+use crate::engine::registry::CloseQueue;
+use crate::engine::wire::{ConnInfo, RailAddr};
+use crate::error::{Error, Result};
+use crate::fabric::{Completion, CqError, FiAddr, Posted, RailCaps, RmaSeg};
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// How the fake answers one post.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Answer {
+    Accept,
+    Again,
+    Fail,
+}
+
+/// An RMA the fake accepted: direction, (local, len, remote, key) per segment, destination.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Accepted {
+    pub write: bool,
+    pub segs: Vec<(u64, usize, u64, u64)>,
+    pub dest: FiAddr,
+}
+
+#[derive(Default)]
+struct State {
+    /// Answers for the next posts, in order; Accept once it runs out.
+    script: VecDeque<Answer>,
+    /// After every Again of the script, this many more (an EAGAIN storm).
+    refused: usize,
+    accepted: Vec<Accepted>,
+    /// Completions the next accepted posts get as errors.
+    fail_completions: usize,
+    ready: VecDeque<std::result::Result<Completion, CqError>>,
+    /// Hand completions out newest first.
+    reverse: bool,
+    /// Polls that return nothing before completions are handed out (late completions).
+    hold: usize,
+    held_polls: usize,
+    recvs: VecDeque<(*mut u8, usize, *mut c_void)>,
+    sends: Vec<Vec<u8>>,
+    next_addr: FiAddr,
+}
+
+pub struct FakePort {
+    index: usize,
+    caps: RailCaps,
+    st: Mutex<State>,
+}
+
+// SAFETY: the raw pointers in the state are test buffers and op slots that the tests keep
+// alive; every access goes through the mutex.
+unsafe impl Send for FakePort {}
+unsafe impl Sync for FakePort {}
+
+pub fn caps(order_raw: bool) -> RailCaps {
+    RailCaps {
+        prov_name: "fake".into(),
+        domain_name: "fake0".into(),
+        mr_local: false,
+        virt_addr: true,
+        prov_key: false,
+        keep_av_entries: false,
+        mr_key_size: 8,
+        inject_size: 64,
+        max_msg_size: 1 << 30,
+        tx_size: 256,
+        rx_size: 256,
+        delivery_complete: !order_raw,
+        order_raw,
+        sync_rma: false,
+        rma_batch: 4,
+        cq_data_size: 0,
+        needs_context: true,
+        hmem: false,
+        threading: 0,
+    }
+}
+
+impl FakePort {
+    pub fn new(index: usize, order_raw: bool) -> Arc<FakePort> {
+        Arc::new(FakePort { index, caps: caps(order_raw), st: Mutex::new(State { next_addr: 100, ..State::default() }) })
+    }
+
+    fn st(&self) -> std::sync::MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The next posts are answered by `answers`, in order.
+    pub fn script(&self, answers: &[Answer]) {
+        self.st().script.extend(answers.iter().copied());
+    }
+
+    /// Every scripted Again is followed by `n` more.
+    pub fn storm(&self, n: usize) {
+        self.st().refused = n;
+    }
+
+    pub fn fail_completions(&self, n: usize) {
+        self.st().fail_completions = n;
+    }
+
+    /// Completions come newest first, after `hold` empty polls.
+    pub fn disorder(&self, reverse: bool, hold: usize) {
+        let mut s = self.st();
+        s.reverse = reverse;
+        s.hold = hold;
+    }
+
+    pub fn accepted(&self) -> Vec<Accepted> {
+        self.st().accepted.clone()
+    }
+
+    pub fn sends(&self) -> Vec<Vec<u8>> {
+        self.st().sends.clone()
+    }
+
+    pub fn pending_completions(&self) -> usize {
+        self.st().ready.len()
+    }
+
+    /// Delivers `bytes` into the oldest posted receive, as a peer's message would arrive.
+    pub fn deliver(&self, bytes: &[u8]) -> bool {
+        let mut s = self.st();
+        let Some((buf, len, ctx)) = s.recvs.pop_front() else { return false };
+        let n = bytes.len().min(len);
+        // SAFETY: the receive buffer was posted with room for `len` bytes and is still the
+        // channel's (its receive is outstanding).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, n) };
+        s.ready.push_back(Ok(Completion { ctx, flags: 0, len: n }));
+        true
+    }
+
+    /// The answer to the next post.
+    fn answer(s: &mut State) -> Answer {
+        let a = s.script.pop_front().unwrap_or(Answer::Accept);
+        if a == Answer::Again {
+            for _ in 0..std::mem::take(&mut s.refused) {
+                s.script.push_front(Answer::Again);
+            }
+        }
+        a
+    }
+
+    fn complete(s: &mut State, ctx: *mut c_void, len: usize) {
+        if s.fail_completions > 0 {
+            s.fail_completions -= 1;
+            s.ready.push_back(Err(CqError { ctx, errno: libc::EIO, detail: "injected error completion".into() }));
+        } else {
+            s.ready.push_back(Ok(Completion { ctx, flags: 0, len }));
+        }
+    }
+}
+
+impl Port for FakePort {
+    fn index(&self) -> usize {
+        self.index
+    }
+    fn caps(&self) -> &RailCaps {
+        &self.caps
+    }
+    unsafe fn register(&self, _addr: *const u8, _len: usize, key: u64, _hmem: Option<(u32, i32)>) -> Result<Mr> {
+        Ok(Mr::detached(key, std::ptr::null_mut()))
+    }
+    fn av_insert(&self, _addr: &[u8]) -> Result<FiAddr> {
+        let mut s = self.st();
+        s.next_addr += 1;
+        Ok(s.next_addr)
+    }
+    fn av_remove(&self, _a: FiAddr) {}
+    unsafe fn rma(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, _more: bool, _dc: bool) -> Result<Posted> {
+        let mut s = self.st();
+        match Self::answer(&mut s) {
+            Answer::Again => return Ok(Posted::Again),
+            Answer::Fail => return Err(Error::Fabric { op: "fi_writemsg", rail: Some(self.index), code: -libc::EIO, detail: "injected post failure".into() }),
+            Answer::Accept => {}
+        }
+        let mut len = 0;
+        for g in segs {
+            let (src, dst) = if write { (g.local as *const u8, g.raddr as *mut u8) } else { (g.raddr as *const u8, g.local) };
+            // SAFETY: tests name buffers of this process on both sides, alive until the
+            // completion (Port::rma's contract).
+            unsafe { std::ptr::copy(src, dst, g.len) };
+            len += g.len;
+        }
+        s.accepted.push(Accepted { write, segs: segs.iter().map(|g| (g.local as u64, g.len, g.raddr, g.rkey)).collect(), dest });
+        Self::complete(&mut s, ctx, len);
+        Ok(Posted::Ok)
+    }
+    unsafe fn queue_rma(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, dc: bool) -> Result<Posted> {
+        // SAFETY: forwarded.
+        unsafe { self.rma(write, segs, dest, ctx, false, dc) }
+    }
+    fn posts_on_thread(&self) -> bool {
+        false
+    }
+    unsafe fn send(&self, buf: *const u8, len: usize, _desc: *mut c_void, _dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
+        let mut s = self.st();
+        match Self::answer(&mut s) {
+            Answer::Again => return Ok(Posted::Again),
+            Answer::Fail => return Err(Error::Fabric { op: "fi_send", rail: Some(self.index), code: -libc::EIO, detail: "injected post failure".into() }),
+            Answer::Accept => {}
+        }
+        // SAFETY: the caller's buffer holds `len` bytes (Port::send's contract).
+        s.sends.push(unsafe { std::slice::from_raw_parts(buf, len) }.to_vec());
+        s.ready.push_back(Ok(Completion { ctx, flags: 0, len }));
+        Ok(Posted::Ok)
+    }
+    unsafe fn recv(&self, buf: *mut u8, len: usize, _desc: *mut c_void, ctx: *mut c_void) -> Result<Posted> {
+        self.st().recvs.push_back((buf, len, ctx));
+        Ok(Posted::Ok)
+    }
+    fn poll(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+        let mut s = self.st();
+        if s.ready.is_empty() {
+            return Ok(0);
+        }
+        if s.held_polls < s.hold {
+            s.held_polls += 1;
+            return Ok(0);
+        }
+        s.held_polls = 0;
+        let mut n = 0;
+        while n < out.len() {
+            let next = if s.reverse { s.ready.pop_back() } else { s.ready.pop_front() };
+            match next {
+                Some(Ok(c)) => {
+                    out[n] = c;
+                    n += 1;
+                }
+                Some(Err(e)) if n == 0 => return Err(e),
+                Some(Err(e)) => {
+                    if s.reverse { s.ready.push_back(Err(e)) } else { s.ready.push_front(Err(e)) }
+                    break;
+                }
+                None => break,
+            }
+        }
+        Ok(n)
+    }
+    fn has_queued(&self) -> bool {
+        false
+    }
+    fn take_queued_for(&self, _dest: FiAddr) -> Vec<*mut c_void> {
+        Vec::new()
+    }
+    fn take_queued_with(&self, _pick: &dyn Fn(*mut c_void) -> bool) -> Vec<*mut c_void> {
+        Vec::new()
+    }
+    fn wait_fd_if_idle(&self) -> Option<i32> {
+        None
+    }
+    fn has_wait_fd(&self) -> bool {
+        false
+    }
+}
+
+/// What a transport works with, around fake rails.
+pub struct Bench {
+    pub core: Arc<Core>,
+    pub fakes: Vec<Arc<FakePort>>,
+    pub rails: Vec<Arc<dyn Port>>,
+    pub ops: OpPool,
+    pub conns: Conns,
+    pub slots: RailSlots,
+    pub out: Vec<Outcome>,
+    _view: Arc<ProcessView>,
+}
+
+impl Bench {
+    pub fn new(rails: usize, order_raw: bool) -> Bench {
+        Self::with_config(rails, order_raw, Config::defaults())
+    }
+
+    pub fn with_config(rails: usize, order_raw: bool, cfg: Config) -> Bench {
+        let fakes: Vec<Arc<FakePort>> = (0..rails).map(|i| FakePort::new(i, order_raw)).collect();
+        let ports = fakes.iter().map(|f| f.clone() as Arc<dyn Port>).collect();
+        let id = crate::engine::ids::random_u64();
+        let view = ProcessView::publish(id, [0; 16]);
+        let closeq = Arc::new(Mutex::new(CloseQueue::default()));
+        let core = Arc::new(Core::new("bench", id, [7; 16], cfg, Vec::new(), rails, closeq, view.clone()));
+        Bench {
+            core,
+            fakes,
+            rails: ports,
+            ops: OpPool::with_capacity(64),
+            conns: Conns::default(),
+            slots: RailSlots { inflight: vec![0; rails], cap: vec![64; rails] },
+            out: Vec::new(),
+            _view: view,
+        }
+    }
+
+    pub fn cx(&mut self) -> Cx<'_> {
+        Cx { core: &self.core, rails: &self.rails, ops: &mut self.ops, conns: &mut self.conns, slots: &mut self.slots, out: &mut self.out, ctrl_room: 4096 }
+    }
+
+    /// A remote peer reached over every rail pair (rail i <-> its rail i).
+    pub fn peer(&mut self, id: u64, locality: Locality) -> Arc<Peer> {
+        let n = self.rails.len();
+        let info = ConnInfo { engine_id: 1000 + id, host_id: [9; 16], agent: format!("peer{id}"), rails: (0..n).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None };
+        let route = (0..n).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
+        let peer = Arc::new(Peer::new(id, &format!("peer{id}"), info, Vec::new(), route, false, false, locality));
+        let addrs = (0..n).map(|l| (0..n).map(|r| Some((10 * l + r) as FiAddr + 1)).collect()).collect();
+        self.conns.peers.insert(id, Conn { peer: peer.clone(), addrs, sync_rails: 0, last_completion: Instant::now(), last_kick: None });
+        peer
+    }
+
+    /// Reads every rail's completions (as the driver would) and hands them to `t`.
+    pub fn complete(&mut self, t: &mut dyn Transport) -> usize {
+        let mut n = 0;
+        let mut buf = [Completion { ctx: std::ptr::null_mut(), flags: 0, len: 0 }; 16];
+        for r in 0..self.fakes.len() {
+            loop {
+                let (ctx, len, err) = match self.fakes[r].poll(&mut buf) {
+                    Ok(0) => break,
+                    Ok(k) => {
+                        for c in &buf[..k] {
+                            n += 1;
+                            self.deliver(t, c.ctx, c.len, None);
+                        }
+                        continue;
+                    }
+                    Err(e) => (e.ctx, 0, Some(Error::Completion { op: "completion", rail: r, errno: e.errno, detail: e.detail })),
+                };
+                n += 1;
+                self.deliver(t, ctx, len, err);
+            }
+        }
+        n
+    }
+
+    fn deliver(&mut self, t: &mut dyn Transport, ctx: *mut c_void, len: usize, err: Option<Error>) {
+        match self.ops.release(ctx) {
+            Some(OpKind::Transport(op)) => t.on_completion(&mut self.cx(), op, len, err),
+            Some(_) => {}
+            None => panic!("completion for a context that is not a live operation"),
+        }
+    }
+
+    /// The pieces reported so far (other outcomes are kept).
+    pub fn pieces(&mut self) -> Vec<Piece> {
+        let mut pieces = Vec::new();
+        for o in std::mem::take(&mut self.out) {
+            match o {
+                Outcome::Piece(p) => pieces.push(p),
+                o => self.out.push(o),
+            }
+        }
+        pieces
+    }
+}
+
+/// How a post went when driven to its end the way the driver's loop drives it.
+pub struct Run {
+    pub pieces: Vec<Piece>,
+    /// Starts that stopped on back-pressure.
+    pub blocked: usize,
+    pub failed: Option<Error>,
+    pub marks: crate::engine::request::Marks,
+}
+
+impl Bench {
+    /// Starts `req`'s segments with `t` from the first, again after every stop on
+    /// back-pressure, feeding completions and advancing in between, until every segment is
+    /// started and every piece ended (or `passes` run out).
+    pub fn run(&mut self, t: &mut dyn Transport, req: &Arc<crate::engine::request::Request>, passes: usize) -> Run {
+        let mut run = Run { pieces: Vec::new(), blocked: 0, failed: None, marks: Default::default() };
+        let (mut next, mut started) = (0, 0);
+        for _ in 0..passes {
+            if next < req.segs.len() && run.failed.is_none() {
+                let s = t.start(&mut self.cx(), super::Post { req, epoch: 1, at: next, marks: &mut run.marks });
+                next += s.segs;
+                started += s.pieces;
+                match s.stop {
+                    Some(super::Stop::Blocked) => run.blocked += 1,
+                    Some(super::Stop::Failed(e)) => run.failed = Some(e),
+                    None => {}
+                }
+            }
+            self.complete(t);
+            t.advance(&mut self.cx());
+            run.pieces.extend(self.pieces());
+            if (next >= req.segs.len() || run.failed.is_some()) && run.pieces.len() >= started {
+                break;
+            }
+        }
+        run
+    }
+}
+
+/// A request of `op` to `peer` whose segments are `segs` (no registrations behind them:
+/// the tests own the buffers).
+pub fn request(op: crate::engine::request::Op, peer: &Arc<Peer>, segs: Vec<crate::engine::request::Seg>) -> Arc<crate::engine::request::Request> {
+    let target = crate::engine::request::Target::Peer(peer.clone());
+    Arc::new(crate::engine::request::Request::new(op, target, segs, Vec::new(), Vec::new(), Vec::new()))
+}
+
+/// Runs the ignored test `name` (its path inside the crate, e.g.
+/// "engine::transport::staging::tests::x") in a child process of this test binary, with the
+/// stand-in CUDA driver (src/cuda/mock_cuda.c) as the driver. False where no C compiler
+/// builds the stand-in (the caller skips).
+pub fn in_mock_cuda(who: &str, name: &str) -> bool {
+    let Some(lib) = crate::cuda::tests::build_mock(who) else { return false };
+    let exe = std::env::current_exe().expect("test binary");
+    let out = std::process::Command::new(exe)
+        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
+        .env(crate::cuda::LIB_ENV, &lib)
+        .env("NF_CUDA_MOCK_CHILD", "1")
+        .output()
+        .expect("child test runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(lib.parent().expect("mock dir"));
+    assert!(out.status.success() && text.contains("1 passed"), "child {name} failed:\n{text}");
+    true
+}
+
+/// Whether this process is such a child.
+pub fn mock_child() -> bool {
+    std::env::var("NF_CUDA_MOCK_CHILD").is_ok()
+}

@@ -1,0 +1,388 @@
+//! RMA over the rails between registered memories: host memory, or device memory the
+//! provider registered (FI_HMEM). Consecutive segments to the same remote rail ride in one
+//! operation; a rail with its own thread gets its RMA through the rail's outbox.
+//!
+//! Done means delivered (rule 6), per rail and peer, the cheapest of: the provider copies
+//! inside the post (shm fast RMA to a CMA-reachable peer), FI_DELIVERY_COMPLETE, or
+//! transmit-complete plus one flush read per rail the post wrote on (providers that order
+//! a read after writes, FI_ORDER_RAW), queued when the post's data is otherwise done.
+use super::{Cx, Post, Start, Transport};
+use crate::engine::counters::add;
+use crate::engine::ops::{OpKind, TOp};
+use crate::engine::port::{Mr, Port};
+use crate::engine::request::{Marks, Op, Phase, Request, Route, SegKind};
+use crate::error::{Error, Result};
+use crate::fabric::{Posted, RmaSeg, MAX_RMA_BATCH};
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// Largest operation a batch of segments grows to: beyond this, batching saves nothing.
+const MAX_BATCH_BYTES: u64 = 1 << 20;
+
+pub struct Rma {
+    owner: u8,
+    /// Per rail: whether writes there are transmit-complete plus a flush read (the rail
+    /// orders reads after writes) instead of delivery-complete, which tcp;ofi_rxm answers
+    /// only after the target's next progress (milliseconds).
+    flush_writes: Vec<bool>,
+    /// Most segments per RMA operation (config rma_batch; the rail's limit applies too).
+    batch_max: usize,
+    // Field order is drop order: the MRs close before the buffer they register goes.
+    flush_mrs: Vec<Mr>,
+    /// Landing place of flush reads, registered on every rail.
+    flush_buf: Box<[u8; 64]>,
+    /// Flush reads to post: (request, post number, rail).
+    flushes: VecDeque<(Arc<Request>, u64, usize)>,
+}
+
+impl Rma {
+    pub fn new(owner: u8, rails: &[Arc<dyn Port>], rma_batch: u64) -> Result<Rma> {
+        let flush_buf = Box::new([0u8; 64]);
+        let mut flush_mrs = Vec::with_capacity(rails.len());
+        for r in rails {
+            // SAFETY: flush_buf is owned by this transport, whose MRs drop before it.
+            flush_mrs.push(unsafe { r.register(flush_buf.as_ptr(), flush_buf.len(), 3, None) }?);
+        }
+        Ok(Rma {
+            owner,
+            flush_writes: rails.iter().map(|r| r.caps().order_raw).collect(),
+            batch_max: (rma_batch as usize).clamp(1, MAX_RMA_BATCH),
+            flush_mrs,
+            flush_buf,
+            flushes: VecDeque::new(),
+        })
+    }
+
+    fn op(&self, rail: usize, req: &Arc<Request>, epoch: u64, len: u64, inline: bool) -> OpKind {
+        OpKind::Transport(TOp { owner: self.owner, tag: 0, rail: rail as u16, slot: true, inline, req: Some(req.clone()), epoch, token: 0, len })
+    }
+
+    /// Posts the queued flush reads the provider takes now; a flush that cannot be posted
+    /// fails its post. Returns whether any is still queued.
+    fn post_flushes(&mut self, cx: &mut Cx) -> bool {
+        let mut budget = self.flushes.len();
+        while let Some((req, epoch, rail)) = self.flushes.front().cloned() {
+            if budget == 0 {
+                break;
+            }
+            budget -= 1;
+            {
+                let st = req.state();
+                if st.epoch != epoch || st.phase != Phase::Data {
+                    self.flushes.pop_front();
+                    continue;
+                }
+            }
+            let target = req.segs.iter().find(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)).copied();
+            let res = match target {
+                Some(s) => cx.conns.addr(req.peer_id(), rail, s.rrail as usize).and_then(|dest| {
+                    let ctx = cx.ops.alloc(self.op(rail, &req, epoch, 0, false));
+                    let seg = RmaSeg { local: self.flush_buf.as_mut_ptr(), len: 1, desc: self.flush_mrs[rail].desc, raddr: s.raddr, rkey: s.rkey };
+                    // SAFETY: the flush buffer is registered on this rail (its MR) and
+                    // lives as long as this transport, which outlives the rails' users;
+                    // ctx is a live slot.
+                    let r = unsafe { cx.rails[rail].rma(false, &[seg], dest, ctx, false, false) };
+                    if !matches!(r, Ok(Posted::Ok)) {
+                        cx.ops.release(ctx);
+                    }
+                    r
+                }),
+                None => Err(Error::Backend("flush read without a segment on its rail".into())),
+            };
+            match res {
+                Ok(Posted::Ok) => {
+                    self.flushes.pop_front();
+                    cx.slots.take(rail);
+                    let mut st = req.state();
+                    st.inflight_total += 1;
+                    add(&cx.core.counters.ops_posted, 1);
+                }
+                Ok(Posted::Again) => {
+                    // The same read, again next pass; the others first (a full queue toward
+                    // one peer must not hold up the rest).
+                    add(&cx.core.counters.retries, 1);
+                    if let Some(f) = self.flushes.pop_front() {
+                        self.flushes.push_back(f);
+                    }
+                }
+                Err(e) => {
+                    self.flushes.pop_front();
+                    // The flush was counted as a piece of the post (finishing): it ends.
+                    req.state().inflight_total += 1;
+                    cx.piece(req, epoch, 0, Err(e));
+                }
+            }
+        }
+        !self.flushes.is_empty()
+    }
+}
+
+impl Transport for Rma {
+    fn name(&self) -> &'static str {
+        "rma"
+    }
+
+    fn route(&self) -> Route {
+        Route::Rma
+    }
+
+    fn start(&mut self, cx: &mut Cx, post: Post) -> Start {
+        let Post { req, epoch, at, marks } = post;
+        let peer_id = req.peer_id();
+        let Some(conn) = cx.conns.peers.get(&peer_id) else {
+            return Start::failed(0, 0, Error::Disconnected("peer was disconnected".into()));
+        };
+        let sync_rails = conn.sync_rails;
+        let write = req.op == Op::Write;
+        let (mut i, mut pieces) = (at, 0);
+        while let Some(s) = req.segs.get(i).copied() {
+            if !matches!(s.kind, SegKind::Rma) {
+                break;
+            }
+            let rail = s.rail as usize;
+            if cx.slots.full(rail) {
+                return Start::blocked(i - at, pieces);
+            }
+            let Ok(dest) = cx.conns.addr(peer_id, rail, s.rrail as usize) else {
+                return Start::failed(i - at, pieces, Error::NotSupported(format!("rail {rail} cannot reach remote rail {}", s.rrail)));
+            };
+            let port = &cx.rails[rail];
+            // The following segments to the same remote rail ride in the same operation,
+            // up to the provider's iov limits: one provider message instead of several
+            // (over tcp one header and socket write per operation).
+            let seg = |t: &crate::engine::request::Seg| RmaSeg { local: t.local as *mut u8, len: t.len as usize, desc: t.desc as *mut _, raddr: t.raddr, rkey: t.rkey };
+            let mut batch = [seg(&s); MAX_RMA_BATCH];
+            let (mut n, mut bytes) = (1usize, s.len);
+            let limit = port.caps().rma_batch.min(self.batch_max);
+            while n < limit {
+                let Some(t) = req.segs.get(i + n) else { break };
+                if t.rail != s.rail || t.rrail != s.rrail || !matches!(t.kind, SegKind::Rma) || bytes + t.len > MAX_BATCH_BYTES {
+                    break;
+                }
+                batch[n] = seg(t);
+                bytes += t.len;
+                n += 1;
+            }
+            let dc = write && !self.flush_writes[rail] && sync_rails & (1 << rail) == 0;
+            let inline = sync_rails & (1 << rail) != 0 && !dc;
+            let ctx = cx.ops.alloc(self.op(rail, req, epoch, bytes, inline));
+            let more = i + n < req.segs.len();
+            // SAFETY: every segment lies in registrations the request keeps alive (checked
+            // at preparation) whose MR descriptors it carries; the owner releases the
+            // request only after its operations completed or were taken back (rule 7);
+            // ctx is a live slot.
+            let res = unsafe {
+                if port.posts_on_thread() && !inline {
+                    // A rail with its own thread posts there (over tcp a post is the
+                    // socket write).
+                    cx.core.note_rail_traffic();
+                    port.queue_rma(write, &batch[..n], dest, ctx, dc)
+                } else {
+                    port.rma(write, &batch[..n], dest, ctx, more, dc)
+                }
+            };
+            match res {
+                Ok(Posted::Ok) => {
+                    i += n;
+                    pieces += 1;
+                    cx.slots.take(rail);
+                    if write && self.flush_writes[rail] {
+                        marks.unflushed |= 1 << rail;
+                    }
+                    add(&cx.core.counters.ops_posted, 1);
+                }
+                Ok(Posted::Again) => {
+                    cx.ops.release(ctx);
+                    add(&cx.core.counters.retries, 1);
+                    add(&cx.core.rail_counters[rail].retries, 1);
+                    return Start::blocked(i - at, pieces);
+                }
+                Err(e) => {
+                    cx.ops.release(ctx);
+                    log::error!("{}: {e} (agent '{}')", cx.core.name, req.peer_name());
+                    add(&cx.core.rail_counters[rail].errors, 1);
+                    return Start::failed(i - at, pieces, e);
+                }
+            }
+        }
+        Start::went(i - at, pieces)
+    }
+
+    fn on_completion(&mut self, cx: &mut Cx, op: TOp, _len: usize, err: Option<Error>) {
+        if op.slot {
+            cx.slots.give(op.rail as usize);
+        }
+        let Some(req) = op.req else { return };
+        let r = op.rail as usize;
+        let res = match err {
+            None => {
+                if let Some(c) = cx.core.rail_counters.get(r) {
+                    add(&c.bytes, op.len);
+                    add(&c.ops, 1);
+                }
+                Ok(())
+            }
+            Some(e) => Err(e),
+        };
+        cx.piece(req, op.epoch, op.len, res);
+    }
+
+    fn advance(&mut self, cx: &mut Cx) -> bool {
+        !self.flushes.is_empty() && self.post_flushes(cx)
+    }
+
+    /// Done means delivered (rule 6): on rails that order a read after writes, one 1-byte
+    /// read of the destination per rail the post wrote on; its completion shows every
+    /// earlier write to that peer landed.
+    fn finishing(&mut self, _cx: &mut Cx, req: &Arc<Request>, epoch: u64, marks: &mut Marks) -> usize {
+        let mut n = 0;
+        for rail in 0..self.flush_writes.len() {
+            if marks.unflushed & (1 << rail) != 0 {
+                self.flushes.push_back((req.clone(), epoch, rail));
+                n += 1;
+            }
+        }
+        marks.unflushed = 0;
+        n
+    }
+
+    fn idle(&self) -> bool {
+        self.flushes.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::local_peers::Locality;
+    use crate::engine::request::Seg;
+    use crate::engine::transport::fake::{request, Accepted, Answer, Bench};
+
+    /// `n` segments of `len` bytes from `src` to `dst` over `rails` rails, in contiguous runs.
+    fn segs(src: &[u8], dst: &mut [u8], n: usize, len: usize, rails: usize) -> Vec<Seg> {
+        (0..n).map(|i| {
+            let rail = (i * rails / n) as u16;
+            Seg { local: src.as_ptr() as u64 + (i * len) as u64, len: len as u64, raddr: dst.as_mut_ptr() as u64 + (i * len) as u64, rkey: 7, desc: 0, rail, rrail: rail, kind: SegKind::Rma }
+        }).collect()
+    }
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    #[test]
+    fn eagain_storms_retry_the_same_operations_in_order() {
+        let mut b = Bench::new(2, false);
+        let peer = b.peer(1, Locality::Remote);
+        let src = pattern(64 * 1024);
+        let mut dst = vec![0u8; src.len()];
+        let req = request(Op::Write, &peer, segs(&src, &mut dst, 16, 4096, 2));
+        b.fakes[0].script(&[Answer::Again, Answer::Accept, Answer::Again]);
+        b.fakes[0].storm(5);
+        b.fakes[1].script(&[Answer::Accept, Answer::Again, Answer::Again, Answer::Again]);
+        let mut t = Rma::new(0, &b.rails, 4).unwrap();
+        let run = b.run(&mut t, &req, 200);
+        assert!(run.failed.is_none() && run.blocked >= 3, "blocked {} times", run.blocked);
+        assert!(run.pieces.iter().all(|p| p.res.is_ok()));
+        assert_eq!(run.pieces.iter().map(|p| p.bytes).sum::<u64>(), src.len() as u64);
+        // Each rail got its segments in order, each exactly once, in batches of 4.
+        for (r, fake) in b.fakes.iter().enumerate() {
+            let got: Vec<u64> = fake.accepted().iter().flat_map(|a| a.segs.iter().map(|s| s.0)).collect();
+            let want: Vec<u64> = req.segs.iter().filter(|s| s.rail as usize == r).map(|s| s.local).collect();
+            assert_eq!(got, want, "rail {r}");
+            assert!(fake.accepted().iter().all(|a| a.write && a.segs.len() == 4));
+        }
+        assert_eq!(dst, src);
+        assert_eq!(b.slots.inflight, vec![0, 0], "every slot back");
+    }
+
+    #[test]
+    fn error_completions_fail_their_piece_only() {
+        let mut b = Bench::new(1, false);
+        let peer = b.peer(1, Locality::Remote);
+        let src = pattern(32 * 1024);
+        let mut dst = vec![0u8; src.len()];
+        let req = request(Op::Write, &peer, segs(&src, &mut dst, 8, 4096, 1));
+        b.fakes[0].fail_completions(1);
+        let mut t = Rma::new(0, &b.rails, 4).unwrap();
+        let run = b.run(&mut t, &req, 50);
+        assert_eq!(run.pieces.len(), 2);
+        assert!(run.pieces[0].res.is_err(), "the first operation's error completion fails its piece");
+        assert!(run.pieces[1].res.is_ok());
+        assert_eq!(b.slots.inflight, vec![0]);
+    }
+
+    #[test]
+    fn out_of_order_and_late_completions_end_every_piece_once() {
+        let mut b = Bench::new(2, false);
+        let peer = b.peer(1, Locality::Remote);
+        let src = pattern(256 * 1024);
+        let mut dst = vec![0u8; src.len()];
+        let req = request(Op::Read, &peer, segs(&mut dst.clone(), &mut dst, 64, 4096, 2));
+        // Read into `got` from `src`: local is the landing buffer, remote the source.
+        let mut got = vec![0u8; src.len()];
+        let segs: Vec<Seg> = req.segs.iter().enumerate().map(|(i, s)| Seg { local: got.as_mut_ptr() as u64 + (i * 4096) as u64, raddr: src.as_ptr() as u64 + (i * 4096) as u64, ..*s }).collect();
+        let req = request(Op::Read, &peer, segs);
+        for f in &b.fakes {
+            f.disorder(true, 3);
+        }
+        let mut t = Rma::new(0, &b.rails, 2).unwrap();
+        let run = b.run(&mut t, &req, 500);
+        assert_eq!(run.pieces.len(), 32, "64 segments in pairs");
+        assert!(run.pieces.iter().all(|p| p.res.is_ok()));
+        assert_eq!(got, src);
+        assert!(b.fakes.iter().all(|f| f.pending_completions() == 0));
+    }
+
+    #[test]
+    fn a_failed_post_stops_the_post_and_a_gone_peer_fails_it() {
+        let mut b = Bench::new(1, false);
+        let peer = b.peer(1, Locality::Remote);
+        let src = pattern(16 * 1024);
+        let mut dst = vec![0u8; src.len()];
+        let req = request(Op::Write, &peer, segs(&src, &mut dst, 4, 4096, 1));
+        b.fakes[0].script(&[Answer::Fail]);
+        let mut t = Rma::new(0, &b.rails, 1).unwrap();
+        let run = b.run(&mut t, &req, 10);
+        assert!(matches!(run.failed, Some(Error::Fabric { .. })), "{:?}", run.failed);
+        assert!(run.pieces.is_empty() && b.fakes[0].accepted().is_empty());
+        b.conns.peers.clear();
+        let run = b.run(&mut t, &req, 10);
+        assert!(matches!(run.failed, Some(Error::Disconnected(_))), "{:?}", run.failed);
+    }
+
+    #[test]
+    fn writes_on_ordered_rails_end_with_one_flush_read_each_retried_as_a_read() {
+        let mut b = Bench::new(2, true);
+        let peer = b.peer(1, Locality::Remote);
+        let src = pattern(32 * 1024);
+        let mut dst = vec![0u8; src.len()];
+        let req = request(Op::Write, &peer, segs(&src, &mut dst, 8, 4096, 2));
+        let mut t = Rma::new(0, &b.rails, 4).unwrap();
+        let mut run = b.run(&mut t, &req, 50);
+        assert_eq!(run.marks.unflushed, 0b11, "both rails wrote transmit-complete");
+        let n = t.finishing(&mut b.cx(), &req, 1, &mut run.marks);
+        assert_eq!((n, run.marks.unflushed), (2, 0));
+        // The state of the post must say Data for the flushes to go out.
+        {
+            let mut st = req.state();
+            st.epoch = 1;
+            st.phase = Phase::Data;
+        }
+        b.fakes[1].script(&[Answer::Again, Answer::Again]);
+        let mut flushed = Vec::new();
+        for _ in 0..10 {
+            t.advance(&mut b.cx());
+            b.complete(&mut t);
+            flushed.extend(b.pieces());
+        }
+        assert_eq!(flushed.len(), 2);
+        assert!(flushed.iter().all(|p| p.res.is_ok() && p.bytes == 0));
+        for f in &b.fakes {
+            let last = f.accepted().last().cloned().unwrap();
+            assert!(matches!(last, Accepted { write: false, .. }), "the flush is a read, also after FI_EAGAIN");
+            assert_eq!(last.segs[0].1, 1);
+        }
+        assert!(t.idle());
+    }
+}
