@@ -9,6 +9,8 @@ mod core;
 mod counters;
 mod ctrl;
 mod driver;
+#[cfg(test)]
+mod driver_tests;
 #[allow(clippy::module_inception)]
 mod engine;
 mod fd_share;

@@ -256,3 +256,150 @@ fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, local: (u64, u64, &Arc<LocalMe
         off += len;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::local_peers::PidFd;
+    use crate::engine::registry::CloseQueue;
+    use crate::engine::wire::{ConnInfo, ProcessInfo, RailAddr};
+    use std::sync::atomic::AtomicUsize;
+
+    const ME: u64 = 0xabc;
+
+    /// Answers nothing, except a same-process registration where one is given.
+    struct Nothing(Option<Arc<LocalMem>>);
+
+    impl Reach for Nothing {
+        fn same_process(&self, _: &Peer, _: u64, _: u64, _: MemKind) -> Option<Arc<LocalMem>> {
+            self.0.clone()
+        }
+        fn ipc_open(&self, _: &Peer, _: &IpcDesc, _: Option<cuda::Context>) -> Option<Arc<IpcEntry>> {
+            None
+        }
+        fn peer_copy_refused(&self, _: u64) -> bool {
+            false
+        }
+        fn pin(&self, _: &LocalMem, _: &cuda::Context) {}
+    }
+
+    fn shapes(n: usize) -> Vec<RailShape> {
+        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, hmem: false, provider: "tcp".into() }).collect()
+    }
+
+    fn mem(engine: u64, base: u64, len: u64, rails: usize) -> Arc<LocalMem> {
+        let q = Arc::new(Mutex::new(CloseQueue::default()));
+        Arc::new(LocalMem::new(engine, base, len, MemKind::Dram, 0, rails, Vec::new(), q, None, None))
+    }
+
+    fn peer(id: u64, rails: usize, local: Locality, cma: bool) -> Arc<Peer> {
+        let info = ConnInfo {
+            engine_id: 7000 + id,
+            host_id: [1; 16],
+            agent: format!("p{id}"),
+            rails: (0..rails).map(|_| RailAddr { provider: "tcp".into(), addr: vec![0] }).collect(),
+            process: Some(ProcessInfo { pid: std::process::id(), token_addr: 0, token: [0; 16] }),
+        };
+        let route = (0..rails).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
+        Arc::new(Peer::new(id, &format!("p{id}"), info, Vec::new(), route, true, cma, local))
+    }
+
+    fn remote(p: &Arc<Peer>, base: u64, len: u64, rails: usize) -> Arc<RemoteMem> {
+        let desc = MemDesc { mem_type: 0, virt_addr: true, staged: false, engine_id: p.info.engine_id, base, len, dev_id: 0, keys: (0..rails as u64).map(|k| 100 + k).collect(), ipc: None };
+        Arc::new(RemoteMem::Peer { peer: p.clone(), desc, opened: Mutex::new(Vec::new()) })
+    }
+
+    fn run(cfg: &Config, rails: usize, target: &Target, pairs: &[Pair], reach: &dyn Reach) -> Result<Plan> {
+        let sh = shapes(rails);
+        let rr = AtomicUsize::new(0);
+        plan(&Inputs { engine_id: ME, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr }, target, pairs, reach)
+    }
+
+    #[test]
+    fn large_descriptors_stripe_over_every_rail_and_small_ones_run_contiguously() {
+        let mut cfg = Config::defaults();
+        cfg.striping_threshold = 1 << 20;
+        let p = peer(1, 2, Locality::Remote, false);
+        let l = mem(ME, 0x10_0000, 64 << 20, 2);
+        let r = remote(&p, 0x900_0000, 64 << 20, 2);
+        let big = [Pair { local: (0x10_0000, 4 << 20, &l), remote: (0x900_0000, 4 << 20, &r) }];
+        let plan = run(&cfg, 2, &Target::Peer(p.clone()), &big, &Nothing(None)).unwrap();
+        // 4 MiB over two rails: 2 MiB each, cut at the 1 MiB message limit.
+        assert_eq!(plan.segs.len(), 4);
+        assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 0, 1, 1]);
+        assert_eq!(plan.segs.iter().map(|s| s.len).sum::<u64>(), 4 << 20);
+        assert!(plan.segs.iter().all(|s| matches!(s.kind, SegKind::Rma) && s.rkey == 100 + s.rrail as u64));
+        assert_eq!(plan.segs[2].local, 0x10_0000 + (2 << 20));
+        assert_eq!(plan.segs[2].raddr, 0x900_0000 + (2 << 20));
+        let small: Vec<Pair> = (0..8u64).map(|i| Pair { local: (0x10_0000 + i * 4096, 4096, &l), remote: (0x900_0000 + i * 4096, 4096, &r) }).collect();
+        let plan = run(&cfg, 2, &Target::Peer(p), &small, &Nothing(None)).unwrap();
+        assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 0, 0, 0, 1, 1, 1, 1]);
+    }
+
+    #[test]
+    fn staged_device_memory_is_cut_into_chunks_over_the_route() {
+        let mut cfg = Config::defaults();
+        cfg.staging_chunk_size = 1 << 20;
+        let p = peer(1, 2, Locality::Remote, false);
+        let r = remote(&p, 0x900_0000, 8 << 20, 2);
+        let q = Arc::new(Mutex::new(CloseQueue::default()));
+        // A context value the scheduler only carries along (never used here).
+        // SAFETY: a dangling handle that no CUDA call sees in this test.
+        let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
+        let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: true };
+        let l = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 2, Vec::new(), q, Some(dev), None));
+        let pairs = [Pair { local: (0x10_0000, 3 << 20, &l), remote: (0x900_0000, 3 << 20, &r) }];
+        let plan = run(&cfg, 2, &Target::Peer(p), &pairs, &Nothing(None)).unwrap();
+        assert_eq!(plan.segs.len(), 3);
+        assert!(plan.segs.iter().all(|s| matches!(s.kind, SegKind::DevToHost { .. }) && s.len == 1 << 20));
+        assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 1, 0], "chunks round-robin over the rail pairs");
+    }
+
+    #[test]
+    fn loopback_same_process_and_cma_routes() {
+        let cfg = Config::defaults();
+        let l = mem(ME, 0x10_0000, 16 << 20, 1);
+        let own = Arc::new(RemoteMem::Local(mem(ME, 0x800_0000, 16 << 20, 1)));
+        let pairs = [Pair { local: (0x10_0000, 4096, &l), remote: (0x800_0000, 4096, &own) }];
+        let plan = run(&cfg, 1, &Target::Local, &pairs, &Nothing(None)).unwrap();
+        assert!(matches!(plan.segs[0].kind, SegKind::Loopback { local: None, remote: None }));
+        // An engine of this process: small host copies are direct, a large request goes
+        // to the copy threads.
+        let sp = peer(2, 1, Locality::SameProcess(std::sync::Weak::new()), false);
+        let theirs = mem(7002, 0x900_0000, 16 << 20, 1);
+        let r = remote(&sp, 0x900_0000, 16 << 20, 1);
+        let small = [Pair { local: (0x10_0000, 4096, &l), remote: (0x900_0000, 4096, &r) }];
+        let plan = run(&cfg, 1, &Target::Peer(sp.clone()), &small, &Nothing(Some(theirs.clone()))).unwrap();
+        assert!(matches!(plan.segs[0].kind, SegKind::Direct { ctx: None, dev: false }));
+        assert_eq!(plan.keeps.len(), 1);
+        let large = [Pair { local: (0x10_0000, 4 << 20, &l), remote: (0x900_0000, 4 << 20, &r) }];
+        let plan = run(&cfg, 1, &Target::Peer(sp), &large, &Nothing(Some(theirs))).unwrap();
+        assert!(matches!(plan.segs[0].kind, SegKind::Cma { pid: THIS_PROCESS }));
+        // A process of this host reachable by CMA, watched by its pidfd.
+        let hp = peer(3, 1, Locality::SameHost(PidFd::open(std::process::id())), true);
+        let r = remote(&hp, 0x900_0000, 16 << 20, 1);
+        let pairs = [Pair { local: (0x10_0000, 4096, &l), remote: (0x900_0000, 4096, &r) }];
+        let plan = run(&cfg, 1, &Target::Peer(hp), &pairs, &Nothing(None)).unwrap();
+        assert!(matches!(plan.segs[0].kind, SegKind::Cma { pid } if pid == std::process::id()));
+    }
+
+    #[test]
+    fn bad_descriptors_are_refused_with_what_is_wrong() {
+        let cfg = Config::defaults();
+        let p = peer(1, 1, Locality::Remote, false);
+        let other = peer(2, 1, Locality::Remote, false);
+        let l = mem(ME, 0x10_0000, 1 << 20, 1);
+        let foreign = mem(ME + 1, 0x10_0000, 1 << 20, 1);
+        let r = remote(&p, 0x900_0000, 1 << 20, 1);
+        let r2 = remote(&other, 0x900_0000, 1 << 20, 1);
+        let t = Target::Peer(p.clone());
+        let err = |pairs: &[Pair], t: &Target| run(&cfg, 1, t, pairs, &Nothing(None)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err(&[], &t).contains("no descriptors"));
+        assert!(err(&[Pair { local: (0x10_0000, 4096, &l), remote: (0x900_0000, 8192, &r) }], &t).contains("length"));
+        assert!(err(&[Pair { local: (0x10_0000 + (1 << 20), 1, &l), remote: (0x900_0000, 1, &r) }], &t).contains("outside"));
+        assert!(err(&[Pair { local: (0x10_0000, 4096, &l), remote: (0x900_0000 + (1 << 20) - 1, 4096, &r) }], &t).contains("outside"));
+        assert!(err(&[Pair { local: (0x10_0000, 4096, &foreign), remote: (0x900_0000, 4096, &r) }], &t).contains("another engine"));
+        assert!(err(&[Pair { local: (0x10_0000, 4096, &l), remote: (0x900_0000, 4096, &r2) }], &t).contains("belongs to agent 'p2'"));
+        assert!(err(&[Pair { local: (0x10_0000, 4096, &l), remote: (0x900_0000, 4096, &r) }], &Target::Local).contains("loopback"));
+    }
+}

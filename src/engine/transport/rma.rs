@@ -318,10 +318,10 @@ mod tests {
         let peer = b.peer(1, Locality::Remote);
         let src = pattern(256 * 1024);
         let mut dst = vec![0u8; src.len()];
-        let req = request(Op::Read, &peer, segs(&mut dst.clone(), &mut dst, 64, 4096, 2));
+        let shape = segs(&src, &mut dst, 64, 4096, 2);
         // Read into `got` from `src`: local is the landing buffer, remote the source.
         let mut got = vec![0u8; src.len()];
-        let segs: Vec<Seg> = req.segs.iter().enumerate().map(|(i, s)| Seg { local: got.as_mut_ptr() as u64 + (i * 4096) as u64, raddr: src.as_ptr() as u64 + (i * 4096) as u64, ..*s }).collect();
+        let segs: Vec<Seg> = shape.iter().enumerate().map(|(i, s)| Seg { local: got.as_mut_ptr() as u64 + (i * 4096) as u64, raddr: src.as_ptr() as u64 + (i * 4096) as u64, ..*s }).collect();
         let req = request(Op::Read, &peer, segs);
         for f in &b.fakes {
             f.disorder(true, 3);

@@ -170,3 +170,56 @@ impl Transport for Cma {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::local_peers::{Locality, PidFd};
+    use crate::engine::request::Seg;
+    use crate::engine::transport::fake::{request, Bench};
+
+    fn segs(src: &[u8], dst: &mut [u8], n: usize, pid: u32) -> Vec<Seg> {
+        let len = src.len() / n;
+        (0..n).map(|i| Seg { local: src.as_ptr() as u64 + (i * len) as u64, len: len as u64, raddr: dst.as_mut_ptr() as u64 + (i * len) as u64, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::Cma { pid } }).collect()
+    }
+
+    #[test]
+    fn a_large_run_is_spread_over_the_copy_threads_and_ends_once() {
+        let mut b = Bench::new(1, false);
+        let me = std::process::id();
+        let peer = b.peer(1, Locality::SameHost(PidFd::open(me)));
+        let src: Vec<u8> = (0..(16 << 20)).map(|i| (i % 249) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        let req = request(Op::Write, &peer, segs(&src, &mut dst, 4, me));
+        let mut t = Cma::new("test", 3);
+        let run = b.run(&mut t, &req, 10_000);
+        assert!(run.failed.is_none());
+        assert_eq!(run.pieces.len(), 1);
+        assert!(run.pieces[0].local_copy && run.pieces[0].res.is_ok() && run.pieces[0].bytes == src.len() as u64);
+        assert_eq!(run.marks.local_copies, 1, "counted while the threads copied");
+        assert!(dst == src);
+        assert!(t.idle());
+        // A small run is copied in the start: no piece outstanding.
+        let mut small = vec![0u8; 8192];
+        let landing = vec![0u8; 8192];
+        let req = request(Op::Read, &peer, segs(&landing, &mut small, 2, me));
+        let run = b.run(&mut t, &req, 10);
+        assert!(run.failed.is_none() && run.pieces.is_empty());
+    }
+
+    #[test]
+    fn a_peer_process_that_exited_is_never_written() {
+        let mut b = Bench::new(1, false);
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        let pid = child.id();
+        let fd = PidFd::open(pid);
+        child.wait().expect("child exits");
+        let peer = b.peer(1, Locality::SameHost(fd));
+        let src = vec![1u8; 4096];
+        let mut dst = vec![0u8; 4096];
+        let req = request(Op::Write, &peer, segs(&src, &mut dst, 1, pid));
+        let mut t = Cma::new("test", 1);
+        let run = b.run(&mut t, &req, 3);
+        assert!(matches!(run.failed, Some(Error::Disconnected(_))), "{:?}", run.failed);
+    }
+}

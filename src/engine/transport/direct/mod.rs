@@ -249,3 +249,80 @@ impl Transport for Direct {
         self.jobs.is_empty() && self.asked.is_empty() && self.serves.idle()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::local_peers::Locality;
+    use crate::engine::request::Seg;
+    use crate::engine::transport::fake::{Bench, Run};
+    use crate::engine::transport::Outcome;
+    use crate::engine::wire::{decode_ctrl, encode_ctrl, IpcDesc, IPC_HANDLE_LEN, IPC_KIND_LEGACY};
+
+    fn req_with(b: &mut Bench, op: Op, segs: Vec<Seg>, keeps: Vec<Keep>) -> Arc<Request> {
+        let peer = b.conns.peers.get(&1).map(|c| c.peer.clone()).unwrap();
+        let target = crate::engine::request::Target::Peer(peer);
+        Arc::new(Request::new(op, target, segs, Vec::new(), Vec::new(), keeps))
+    }
+
+    #[test]
+    fn host_copies_between_engines_of_this_process_finish_in_the_start() {
+        let mut b = Bench::new(1, false);
+        b.peer(1, Locality::Remote);
+        let src: Vec<u8> = (0..16384).map(|i| (i % 253) as u8).collect();
+        let mut dst = vec![0u8; 16384];
+        let segs = (0..4u64).map(|i| Seg { local: src.as_ptr() as u64 + i * 4096, len: 4096, raddr: dst.as_mut_ptr() as u64 + i * 4096, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::Direct { ctx: None, dev: false } }).collect();
+        let req = req_with(&mut b, Op::Write, segs, Vec::new());
+        let mut t = Direct::default();
+        let Run { pieces, failed, .. } = b.run(&mut t, &req, 3);
+        assert!(failed.is_none() && pieces.is_empty(), "no piece outstanding: copied in the start");
+        assert_eq!(dst, src);
+        assert!(t.idle());
+    }
+
+    /// Copy requests we send for our GPU memory with a peer's host memory: answered, refused
+    /// (the peer cannot open our memory), or never answered by a peer that is gone.
+    #[test]
+    fn peer_copies_end_with_the_answer_or_the_peers_departure() {
+        let mut b = Bench::new(1, false);
+        b.peer(1, Locality::Remote);
+        let ipc = IpcDesc { kind: IPC_KIND_LEGACY, device_uuid: [3; 16], alloc_base: 0x7000_0000, alloc_len: 1 << 20, handle: [0; IPC_HANDLE_LEN], vmm: None };
+        let segs: Vec<Seg> = (0..3u64).map(|i| Seg { local: 0x7000_0000 + i * 4096, len: 4096, raddr: 0x9000 + i * 4096, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::PeerCopy { alloc: 0x7000_0000 } }).collect();
+        let req = req_with(&mut b, Op::Write, segs.clone(), vec![Keep::Export(ipc.clone())]);
+        let mut t = Direct::default();
+        let s = t.start(&mut b.cx(), Post { req: &req, epoch: 1, at: 0, marks: &mut Default::default() });
+        assert_eq!((s.segs, s.pieces), (3, 1), "three ranges in one copy request");
+        let sent: Vec<CopyReq> = b.out.drain(..).filter_map(|o| match o {
+            Outcome::Ctrl(m) => decode_ctrl(&m.bytes).ok().and_then(|c| CopyReq::decode(c.payload).ok()),
+            _ => None,
+        }).collect();
+        assert_eq!(sent.len(), 1);
+        assert!(sent[0].to_receiver && sent[0].ranges.len() == 3);
+        let ack = |token, status: Status| encode_ctrl(CtrlType::CopyAck, 1001, "peer1", &StageAck { token, status: status.code() }.encode());
+        let bytes = ack(sent[0].token, Status::NF_SUCCESS);
+        assert!(t.on_control(&mut b.cx(), &decode_ctrl(&bytes).unwrap()));
+        let p = b.pieces();
+        assert_eq!(p.len(), 1);
+        assert!(p[0].res.is_ok() && p[0].bytes == 3 * 4096);
+        // A stale answer (same token again) finds nothing.
+        assert!(t.on_control(&mut b.cx(), &decode_ctrl(&bytes).unwrap()));
+        assert!(b.pieces().is_empty());
+        // Refused: the piece fails, and later copies with that peer are staged (refused).
+        t.start(&mut b.cx(), Post { req: &req, epoch: 2, at: 0, marks: &mut Default::default() });
+        let token = b.out.drain(..).find_map(|o| match o {
+            Outcome::Ctrl(m) => decode_ctrl(&m.bytes).ok().and_then(|c| CopyReq::decode(c.payload).ok()).map(|c| c.token),
+            _ => None,
+        }).unwrap();
+        t.on_control(&mut b.cx(), &decode_ctrl(&ack(token, Status::NF_ERR_NOT_SUPPORTED)).unwrap());
+        assert!(b.pieces()[0].res.is_err());
+        assert!(b.core.ipc.refused(1001));
+        // Never answered: the peer leaves, the piece ends as a disconnect.
+        t.start(&mut b.cx(), Post { req: &req, epoch: 3, at: 0, marks: &mut Default::default() });
+        assert!(!t.idle());
+        t.drop_peer(&mut b.cx(), 1, 1001);
+        let p = b.pieces();
+        assert_eq!(p.len(), 1);
+        assert!(matches!(p[0].res, Err(Error::Disconnected(_))));
+        assert!(t.idle());
+    }
+}
