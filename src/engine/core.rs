@@ -53,6 +53,7 @@ pub struct Core {
 }
 
 impl Core {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(name: &str, engine_id: u64, host_id: [u8; 16], cfg: Config, conn_info: Vec<u8>, rails: usize, closeq: SharedCloseQueue,
                view: Arc<ProcessView>) -> Core {
         // SAFETY: eventfd takes no pointers; a failure returns -1, which we tolerate (the

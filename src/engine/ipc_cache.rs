@@ -78,6 +78,9 @@ fn open_vmm(ctx: &cuda::Context, ipc: &IpcDesc, timeout: std::time::Duration) ->
     Ok(Mapping::Vmm(cuda::VmmMapping::import(ctx, chunks, ipc.alloc_len, align)?))
 }
 
+/// (peer, remote allocation base, remote length, context id).
+type OpenKey = (u64, u64, u64, usize);
+
 /// The engine's open IPC mappings, by (peer, remote allocation base, context), and the
 /// allocations whose handle could not be opened (not tried again: they use staging).
 pub struct IpcCache {
@@ -88,7 +91,7 @@ pub struct IpcCache {
     timeout: std::time::Duration,
     /// Keyed by (peer, remote base, remote length, context): two VMM registrations of one
     /// reservation may start at the same chunk and cover different chunk counts.
-    open: Mutex<HashMap<(u64, u64, u64, usize), Weak<IpcEntry>>>,
+    open: Mutex<HashMap<OpenKey, Weak<IpcEntry>>>,
     failed: Mutex<HashSet<(u64, u64, u64)>>,
     /// Peers (engine ids) that could not open our memory: copies with them are staged.
     refused: Mutex<HashSet<u64>>,

@@ -56,6 +56,9 @@ pub struct OpCtx {
 
 #[derive(Default)]
 pub struct OpPool {
+    // Boxed: each slot's address is handed to the provider and must not move when the
+    // vector grows.
+    #[allow(clippy::vec_box)]
     slots: Vec<Box<OpCtx>>,
     free: Vec<u32>,
     in_use: usize,

@@ -8,6 +8,8 @@ use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex};
 
 /// Where a transfer's remote side lives.
+// One per loaded descriptor, behind an Arc: the size of the larger variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum RemoteMem {
     /// A peer's registration, as described by its public descriptor. `opened`: its GPU
     /// allocation opened here by IPC, kept while the descriptor is loaded so that every

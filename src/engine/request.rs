@@ -284,12 +284,15 @@ pub fn dedup_arcs<T>(v: impl Iterator<Item = Arc<T>>) -> Vec<Arc<T>> {
     v.filter(|a| seen.insert(Arc::as_ptr(a) as usize)).collect()
 }
 
+/// Requests whose deadline passed, with the error that fails each.
+pub type Overdue = Vec<(Arc<Request>, Error)>;
+
 /// Deadlines (rule 2): of the requests `active`, those still running whose peer completed
 /// nothing for `timeout` (and that have no host copies running: a long one is progress,
 /// not a silent peer), with the error that fails them; the others stay.
 /// `heard(peer id)`: when the peer last completed anything of ours.
 pub fn overdue(active: Vec<Arc<Request>>, heard: impl Fn(u64) -> Option<Instant>, timeout: std::time::Duration, now: Instant)
-    -> (Vec<Arc<Request>>, Vec<(Arc<Request>, Error)>) {
+    -> (Vec<Arc<Request>>, Overdue) {
     let mut keep = Vec::with_capacity(active.len());
     let mut late = Vec::new();
     for req in active {

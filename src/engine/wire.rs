@@ -259,7 +259,7 @@ impl IpcDesc {
         let mut next = 0u64;
         for i in 0..n {
             let c = VmmChunkDesc { offset: r.u64("chunk offset")?, len: r.u64("chunk length")?, granularity: r.u64("chunk granularity")? };
-            if c.offset != next || c.len == 0 || !c.granularity.is_power_of_two() || c.offset % c.granularity != 0 || c.len % c.granularity != 0 {
+            if c.offset != next || c.len == 0 || !c.granularity.is_power_of_two() || !c.offset.is_multiple_of(c.granularity) || !c.len.is_multiple_of(c.granularity) {
                 return Err(r.err(format!(
                     "VMM chunk {i} (offset {:#x}, length {:#x}, granularity {:#x}) is not contiguous, empty or not aligned", c.offset, c.len, c.granularity
                 )));

@@ -47,12 +47,12 @@ pub fn coalesce(copies: &mut Vec<Copy>) {
 
 impl Copier {
     fn ensure_streams(&mut self, ctx: cuda::Context) -> Result<()> {
-        if !self.streams.contains_key(&ctx.id()) {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.streams.entry(ctx.id()) {
             let mut v = Vec::with_capacity(FALLBACK_STREAMS);
             for _ in 0..FALLBACK_STREAMS {
                 v.push(cuda::Stream::new(&ctx)?);
             }
-            self.streams.insert(ctx.id(), v);
+            e.insert(v);
         }
         Ok(())
     }
@@ -139,7 +139,7 @@ impl Copier {
         if copies.is_empty() {
             return Ok(Some(Vec::new()));
         }
-        if !self.kernels.contains_key(&ctx.id()) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.kernels.entry(ctx.id()) {
             let k = match cuda::CopyKernel::load(&ctx) {
                 Ok(k) => {
                     log::info!("{}: direct GPU copies of many device ranges: one gather-kernel launch per {} ranges", core.name, k.ranges_per_launch());
@@ -150,7 +150,7 @@ impl Copier {
                     None
                 }
             };
-            self.kernels.insert(ctx.id(), k);
+            slot.insert(k);
         }
         let (Some(Some(k)), Some(streams)) = (self.kernels.get(&ctx.id()), self.streams.get(&ctx.id())) else {
             return Ok(None);

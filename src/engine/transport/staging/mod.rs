@@ -98,10 +98,10 @@ impl Staging {
                 self.set_phase(token, Phase::PostRma);
                 self.post_if_due(cx, token)?;
             }
-            (SegKind::DevToDev { .. }, Op::Read, Some(slot)) => self.ask(cx, token, StageDir::Push, s.raddr, s.len, Some(slot), (0, 0))?,
+            (SegKind::DevToDev { .. }, Op::Read, Some(slot)) => self.ask(cx, token, StageDir::Push, (s.raddr, s.len), Some(slot), (0, 0))?,
             (SegKind::HostToDev { self_addr, self_key }, op, None) => {
                 let dir = if op == Op::Write { StageDir::Pull } else { StageDir::Push };
-                self.ask(cx, token, dir, s.raddr, s.len, None, (self_addr, self_key))?;
+                self.ask(cx, token, dir, (s.raddr, s.len), None, (self_addr, self_key))?;
             }
             _ => return Err(Error::Backend(format!("segment {} cannot be staged as {:?}", j.seg, s.kind))),
         }
@@ -117,7 +117,7 @@ impl Staging {
     /// Sends the owner of the remote device memory a stage request for this chunk: it moves
     /// the bytes between its memory and our bounce `slot` (or `ours`, our RMA-reachable
     /// memory as the peer must address it).
-    fn ask(&mut self, cx: &mut Cx, token: u64, dir: StageDir, dev_addr: u64, len: u64, slot: Option<u32>, ours: (u64, u64)) -> Result<()> {
+    fn ask(&mut self, cx: &mut Cx, token: u64, dir: StageDir, (dev_addr, len): (u64, u64), slot: Option<u32>, ours: (u64, u64)) -> Result<()> {
         let (peer_addr, peer_key) = match slot {
             Some(slot) => {
                 let p = self.pool.as_ref().ok_or_else(|| Error::Backend("no staging pool".into()))?;
@@ -238,7 +238,7 @@ impl Staging {
                 }
                 SegKind::DevToDev { .. } => {
                     let slot = j.slot;
-                    self.ask(cx, token, StageDir::Pull, s.raddr, s.len, slot, (0, 0))
+                    self.ask(cx, token, StageDir::Pull, (s.raddr, s.len), slot, (0, 0))
                 }
                 _ => Err(Error::Backend("copy-out for a segment without device memory".into())),
             };

@@ -66,10 +66,10 @@ impl Stager {
     }
 
     fn stream(&mut self, ctx: cuda::Context) -> Result<&cuda::Stream> {
-        if !self.streams.contains_key(&ctx.id()) {
-            self.streams.insert(ctx.id(), cuda::Stream::new(&ctx)?);
-        }
-        self.streams.get(&ctx.id()).ok_or_else(|| Error::Backend("staging stream vanished".into()))
+        Ok(match self.streams.entry(ctx.id()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(cuda::Stream::new(&ctx)?),
+        })
     }
 
     /// Queues a device copy between `dev` and slot `slot` on the context's stream (`out`:
