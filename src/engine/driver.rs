@@ -470,12 +470,15 @@ impl Driver {
     }
 
     /// Every piece of the post ended: the transports' finishing steps (flush reads), then
-    /// the notification, then done.
+    /// the notification, then done. The finishing steps run for a failed or cancelled post
+    /// too: its other writes may have completed at transmit only, and their bytes must have
+    /// landed before the post ends (its owner reuses the target memory next; a failed
+    /// WRITE's bytes once landed over the next request's).
     fn data_done(&mut self, req: &Arc<Request>, st: &mut ReqState) {
         if st.phase != Phase::Data {
             return;
         }
-        if st.error.is_none() && !st.cancelled && !st.flushing {
+        if !st.flushing {
             st.flushing = true;
             let epoch = st.epoch;
             let mut extra = 0;
