@@ -463,8 +463,8 @@ impl Engine {
             rr_chunks: &self.rr_chunks,
         };
         let plan = scheduler::plan(&inputs, &target, pairs, &Reached(&self.core))?;
-        let local = dedup_arcs(pairs.iter().map(|p| p.local.2.clone()));
-        let remote = dedup_arcs(pairs.iter().map(|p| p.remote.2.clone()));
+        let local = dedup_arcs(pairs.iter().map(|p| p.local.2));
+        let remote = dedup_arcs(pairs.iter().map(|p| p.remote.2));
         Ok(Arc::new(Request::new(op, target, plan.segs, local, remote, plan.keeps)))
     }
 

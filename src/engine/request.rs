@@ -278,10 +278,22 @@ impl Request {
     }
 }
 
-/// Keeps one Arc per distinct object (descriptor lists often repeat the same region).
-pub fn dedup_arcs<T>(v: impl Iterator<Item = Arc<T>>) -> Vec<Arc<T>> {
+/// Keeps one Arc per distinct object (descriptor lists often repeat the same region, most
+/// often as runs of one: those cost a pointer comparison, not a hash).
+pub fn dedup_arcs<'a, T: 'a>(v: impl Iterator<Item = &'a Arc<T>>) -> Vec<Arc<T>> {
     let mut seen = std::collections::HashSet::new();
-    v.filter(|a| seen.insert(Arc::as_ptr(a) as usize)).collect()
+    let mut last = std::ptr::null::<T>();
+    let mut out = Vec::new();
+    for a in v {
+        let p = Arc::as_ptr(a);
+        if p != last {
+            last = p;
+            if seen.insert(p as usize) {
+                out.push(a.clone());
+            }
+        }
+    }
+    out
 }
 
 /// Requests whose deadline passed, with the error that fails each.

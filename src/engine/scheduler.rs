@@ -87,7 +87,10 @@ pub fn plan(inp: &Inputs, target: &Target, pairs: &[Pair], reach: &dyn Reach) ->
         if ll != rl {
             return Err(Error::InvalidParam(format!("descriptor {i}: local length {ll} != remote length {rl}")));
         }
-        lm.check(la, ll, &format!("local descriptor {i}"))?;
+        // (The message is built only for a refusal: this runs once per descriptor.)
+        if lm.check(la, ll, "").is_err() {
+            lm.check(la, ll, &format!("local descriptor {i}"))?;
+        }
         rm.check(ra, rl).map_err(|e| Error::InvalidParam(format!("descriptor {i}: {e}")))?;
         if ll == 0 {
             continue;
