@@ -24,9 +24,15 @@
 //! The peer side ([`fetch`]) is bounded the same way.
 use crate::cuda;
 use crate::error::{Error, Result};
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::net::sockopt::socket_peercred;
+use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
+use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+use rustix::process::geteuid;
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,7 +71,8 @@ fn status_text(s: u8) -> &'static str {
 const SERVE_DEADLINE: Duration = Duration::from_secs(5);
 const SERVE_IO_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often the server thread looks at its stop flag.
-const POLL_MS: i32 = 100;
+const POLL_MS: u64 = 100;
+const POLL_TIMEOUT: Timespec = Timespec { tv_sec: 0, tv_nsec: POLL_MS as i64 * 1_000_000 };
 
 /// One exported registration: the context its chunks are exported under and the address
 /// of each chunk's mapping in this process.
@@ -142,10 +149,8 @@ impl Drop for FdServer {
 
 fn serve_loop(l: UnixListener, regs: Arc<Mutex<HashMap<u64, Exported>>>, stop: Arc<AtomicBool>, who: String) {
     while !stop.load(Ordering::Acquire) {
-        let mut p = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: p is one live pollfd for the call's duration.
-        let n = unsafe { libc::poll(&mut p, 1, POLL_MS) };
-        if n <= 0 {
+        let mut p = [PollFd::new(&l, PollFlags::IN)];
+        if !matches!(poll(&mut p, Some(&POLL_TIMEOUT)), Ok(n) if n > 0) {
             continue;
         }
         match l.accept() {
@@ -157,27 +162,19 @@ fn serve_loop(l: UnixListener, regs: Arc<Mutex<HashMap<u64, Exported>>>, stop: A
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => {
                 log::warn!("{who}: fd socket accept: {e}");
-                std::thread::sleep(Duration::from_millis(POLL_MS as u64));
+                std::thread::sleep(Duration::from_millis(POLL_MS));
             }
         }
     }
 }
 
-/// The uid of the process at the other end of `fd` (SO_PEERCRED).
-fn peer_uid(fd: RawFd) -> std::io::Result<u32> {
-    let mut c = libc::ucred { pid: 0, uid: u32::MAX, gid: u32::MAX };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: c and len are live out-parameters of the sizes passed.
-    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, &mut c as *mut _ as *mut libc::c_void, &mut len) };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(c.uid)
+/// The uid of the process at the other end of `s` (SO_PEERCRED).
+fn peer_uid(s: &UnixStream) -> std::io::Result<u32> {
+    Ok(socket_peercred(s)?.uid.as_raw())
 }
 
 fn my_uid() -> u32 {
-    // SAFETY: geteuid has no arguments and cannot fail.
-    unsafe { libc::geteuid() }
+    geteuid().as_raw()
 }
 
 fn reply(status: u8, len: u64) -> [u8; REP_LEN] {
@@ -193,7 +190,7 @@ fn serve_one(mut s: UnixStream, regs: &Mutex<HashMap<u64, Exported>>, stop: &Ato
     s.set_nonblocking(false)?;
     s.set_read_timeout(Some(SERVE_IO_TIMEOUT))?;
     s.set_write_timeout(Some(SERVE_IO_TIMEOUT))?;
-    if peer_uid(s.as_raw_fd())? != my_uid() {
+    if peer_uid(&s)? != my_uid() {
         return s.write_all(&reply(ST_DENIED, 0));
     }
     let end = Instant::now() + SERVE_DEADLINE;
@@ -228,7 +225,7 @@ fn serve_one(mut s: UnixStream, regs: &Mutex<HashMap<u64, Exported>>, stop: &Ato
             }
         };
         match out {
-            Ok((fd, len)) => send_with_fd(&s, &reply(ST_OK, len), fd.as_raw_fd())?,
+            Ok((fd, len)) => send_with_fd(&s, &reply(ST_OK, len), fd.as_fd())?,
             Err(st) => s.write_all(&reply(st, 0))?,
         }
     }
@@ -236,84 +233,46 @@ fn serve_one(mut s: UnixStream, regs: &Mutex<HashMap<u64, Exported>>, stop: &Ato
 }
 
 /// Sends `bytes` with `fd` attached (SCM_RIGHTS); the kernel gives the peer its own copy.
-fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: RawFd) -> std::io::Result<()> {
-    // SAFETY: CMSG_SPACE is a size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
-    // SAFETY: the control buffer is `space` bytes, 8-aligned, room for one header and one
-    // int; CMSG_FIRSTHDR points into it; CMSG_DATA is where the int goes.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut RawFd, fd);
+fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<()> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut cmsg = SendAncillaryBuffer::new(&mut space);
+    let fds = [fd];
+    if !cmsg.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(std::io::Error::other("no room for the fd in the control buffer"));
     }
-    // SAFETY: msg and everything it points to are live for the call.
-    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if (n as usize) < bytes.len() {
-        (&*s).write_all(&bytes[n as usize..])?;
+    let n = sendmsg(s, &[IoSlice::new(bytes)], &mut cmsg, SendFlags::NOSIGNAL)?;
+    if n < bytes.len() {
+        (&*s).write_all(&bytes[n..])?;
     }
     Ok(())
 }
 
 /// Receives exactly `buf.len()` bytes and at most one fd sent with them.
 fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<Option<OwnedFd>> {
-    // SAFETY: CMSG_SPACE is a size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() };
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
-    // SAFETY: msg and everything it points to are live for the call; MSG_CMSG_CLOEXEC
-    // marks a received fd close-on-exec.
-    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if n == 0 {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+    // MSG_CMSG_CLOEXEC marks a received fd close-on-exec.
+    let r = recvmsg(s, &mut [IoSliceMut::new(buf)], &mut cmsg, RecvFlags::CMSG_CLOEXEC)?;
+    if r.bytes == 0 {
         return Err(std::io::ErrorKind::UnexpectedEof.into());
     }
+    // Every fd received is owned as it comes out of the buffer, so none leaks even if more
+    // than one came (the rest are closed when dropped).
     let mut fd = None;
-    // SAFETY: the kernel filled msg's control part; we walk its headers with the libc
-    // macros and read an int from an SCM_RIGHTS one; every fd received is wrapped (owned)
-    // so none leaks, even if more than one came.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c);
-                let count = ((*c).cmsg_len as usize - (data as usize - c as usize)) / std::mem::size_of::<RawFd>();
-                for i in 0..count {
-                    let raw = std::ptr::read_unaligned((data as *const RawFd).add(i));
-                    let owned = OwnedFd::from_raw_fd(raw);
-                    if fd.is_none() {
-                        fd = Some(owned);
-                    }
+    for m in cmsg.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = m {
+            for owned in fds {
+                if fd.is_none() {
+                    fd = Some(owned);
                 }
             }
-            c = libc::CMSG_NXTHDR(&msg, c);
         }
     }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+    if r.flags.contains(ReturnFlags::CTRUNC) {
         return Err(std::io::Error::other("file descriptor truncated (too many fds open?)"));
     }
-    if (n as usize) < buf.len() {
-        (&*s).read_exact(&mut buf[n as usize..])?;
+    if r.bytes < buf.len() {
+        (&*s).read_exact(&mut buf[r.bytes..])?;
     }
     Ok(fd)
 }
@@ -328,7 +287,7 @@ pub fn fetch(name: &[u8], reg_id: u64, lens: &[u64], timeout: Duration) -> Resul
     let io = timeout.min(Duration::from_secs(5)).max(Duration::from_millis(100));
     s.set_read_timeout(Some(io)).map_err(|e| err("timeout", e))?;
     s.set_write_timeout(Some(io)).map_err(|e| err("timeout", e))?;
-    let uid = peer_uid(s.as_raw_fd()).map_err(|e| err("SO_PEERCRED", e))?;
+    let uid = peer_uid(&s).map_err(|e| err("SO_PEERCRED", e))?;
     if uid != my_uid() {
         return Err(Error::NotAllowed(format!("the fd socket belongs to uid {uid}, not ours ({})", my_uid())));
     }
@@ -366,6 +325,7 @@ pub fn fetch(name: &[u8], reg_id: u64, lens: &[u64], timeout: Duration) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn unknown_registration_and_chunk_are_refused_and_fds_pass() {
@@ -389,7 +349,7 @@ mod tests {
         // The fd passing itself.
         let (a, b) = UnixStream::pair().unwrap();
         let f = std::fs::File::open("/proc/self/stat").unwrap();
-        send_with_fd(&a, &reply(ST_OK, 7), f.as_raw_fd()).unwrap();
+        send_with_fd(&a, &reply(ST_OK, 7), f.as_fd()).unwrap();
         let mut rep = [0u8; REP_LEN];
         let got = recv_with_fd(&b, &mut rep).unwrap().expect("an fd");
         assert_ne!(got.as_raw_fd(), f.as_raw_fd());

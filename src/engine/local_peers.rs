@@ -4,8 +4,10 @@
 //! Ubuntu's Yama ptrace_scope=1 refuses between unrelated processes).
 use super::registry::{LocalMem, MemKind};
 use super::wire::ConnInfo;
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::process::{pidfd_open, Pid, PidfdFlags};
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -80,21 +82,17 @@ const EXITED: u64 = u64::MAX;
 
 impl PidFd {
     pub fn open(pid: u32) -> Option<PidFd> {
-        // SAFETY: pidfd_open takes a pid and flags, no pointers; it returns a new fd or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        if fd < 0 {
-            return None;
-        }
-        // SAFETY: fd is a new descriptor that nothing else owns.
-        Some(PidFd(unsafe { OwnedFd::from_raw_fd(fd as i32) }, AtomicU64::new(0)))
+        // A pid that is not positive names no process (pidfd_open would refuse it too).
+        let pid = Pid::from_raw(i32::try_from(pid).ok()?)?;
+        let fd = pidfd_open(pid, PidfdFlags::empty()).ok()?;
+        Some(PidFd(fd, AtomicU64::new(0)))
     }
 
     /// Whether the process has exited (one non-blocking poll).
     pub fn exited(&self) -> bool {
-        let mut p = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd, zero timeout.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        let gone = n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        let mut p = [PollFd::new(&self.0, PollFlags::IN)];
+        let n = poll(&mut p, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap_or(0);
+        let gone = n > 0 && p[0].revents().intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR);
         // An exit is final: remembered as EXITED, never answered from an older alive stamp.
         let stamp = if gone { EXITED } else { (SINCE.elapsed().as_nanos() as u64).clamp(1, EXITED - 1) };
         self.1.store(stamp, Ordering::Relaxed);
