@@ -68,6 +68,7 @@ unit-test: deps | $(STAMP)
 -include bench/bench.mk
 -include tests/netns/netns.mk
 -include tests/lf2/lf2.mk
+-include tests/versions/versions.mk
 
 TEST_TARGETS ?=
 test: build check-header unit-test $(TEST_TARGETS)
