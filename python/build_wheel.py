@@ -14,6 +14,7 @@ import base64
 import hashlib
 import os
 import re
+import stat
 import subprocess
 import tempfile
 import zipfile
@@ -80,13 +81,14 @@ def main():
         with zipfile.ZipFile(path + ".tmp", "w", zipfile.ZIP_DEFLATED) as z:
             for arcname, data, executable in files:
                 zi = zipfile.ZipInfo(arcname, date_time=(2026, 1, 1, 0, 0, 0))
-                zi.external_attr = (0o755 if executable else 0o644) << 16
+                # File type bits too: pip marks a file executable only for a regular-file mode.
+                zi.external_attr = (stat.S_IFREG | (0o755 if executable else 0o644)) << 16
                 zi.compress_type = zipfile.ZIP_DEFLATED
                 z.writestr(zi, data)
                 records.append(record_line(arcname, data))
             records.append(f"{info_dir}/RECORD,,")
             zi = zipfile.ZipInfo(f"{info_dir}/RECORD", date_time=(2026, 1, 1, 0, 0, 0))
-            zi.external_attr = 0o644 << 16
+            zi.external_attr = (stat.S_IFREG | 0o644) << 16
             z.writestr(zi, "\n".join(records) + "\n")
         os.replace(path + ".tmp", path)
     print(path)

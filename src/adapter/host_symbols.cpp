@@ -8,6 +8,7 @@
 #include <link.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string_view>
 
@@ -113,7 +114,10 @@ int on_object(struct dl_phdr_info *info, size_t, void *ctx) noexcept {
         }
         if (!symtab || !strtab)
             return 0;
-        facts.libraries.emplace_back(info->dlpi_name);
+        // The loader's name may hold "dir/../"; the real path is what users recognise.
+        char *real = realpath(info->dlpi_name, nullptr);
+        facts.libraries.emplace_back(real ? real : info->dlpi_name);
+        free(real);
         const size_t count = symbol_count(gnu, sysv);
         for (size_t i = 1; i < count; ++i) {
             const ElfW(Sym) &sym = symtab[i];

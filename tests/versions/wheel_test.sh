@@ -23,7 +23,8 @@ step "fresh venv: $pkg, numpy, $(basename "$wheel")"
 unset NIXL_PLUGIN_DIR PYTHONPATH
 
 step "python -m nixl_fabric install --name LIBFABRIC"
-out=$("$py" -m nixl_fabric install --name LIBFABRIC) || fail "install exited $?"
+rc=0; out=$("$py" -m nixl_fabric install --name LIBFABRIC) || rc=$?
+[ $rc -eq 0 ] || fail "install exited $rc"
 echo "$out"
 dest=$(echo "$out" | sed -n 's/^installed \(.*\) (from .*/\1/p')
 [ -f "$dest" ] || fail "no installed file reported"
@@ -39,7 +40,9 @@ for mode in one two; do
 done
 
 step "python -m nixl_fabric info"
-"$py" -m nixl_fabric info > "$venv/info.log" 2>&1 || { cat "$venv/info.log"; fail "info exited $?"; }
+rc=0; "$py" -m nixl_fabric info > "$venv/info.log" 2>&1 || rc=$?
+[ $rc -eq 0 ] || { cat "$venv/info.log"; fail "info exited $rc"; }
+grep -q "layout: NIXL .*engine layout .* -> served" "$venv/info.log" || fail "info did not report the layout it would serve"
 grep -q "^nixl-fabric " "$venv/info.log" || fail "info printed no version line"
 grep "NIXL" "$venv/info.log" || true
 
