@@ -54,17 +54,6 @@ def new_agent(agent_name, backend):
     return agent
 
 
-def wait_xfer(agent, xfer, what):
-    state = agent.transfer(xfer) if isinstance(xfer, tuple) else None
-    deadline = time.time() + DEADLINE_S
-    while state in (None, "PROC"):
-        state = agent.check_xfer_state(xfer)
-        if state == "PROC" and time.time() > deadline:
-            raise SystemExit(f"{what}: still in progress after {DEADLINE_S} s")
-    if state != "DONE":
-        raise SystemExit(f"{what}: state {state}")
-
-
 def post(agent, xfer, what, notif=None):
     state = agent.transfer(xfer, notif) if notif is not None else agent.transfer(xfer)
     deadline = time.time() + DEADLINE_S
