@@ -6,6 +6,8 @@ every release from 0.7.1 to 1.5.1 has.
     case.py one BACKEND      two agents in this process
     case.py two BACKEND      this process initiates; a second process (case.py target) owns
                              the target buffer and answers over stdin/stdout
+    case.py refused BACKEND  creating the backend must fail with an exception (a NIXL the
+                             plugin does not know), and the process must live on
 
 Each case: WRITE of 4 descriptors with a notification, a repost of the same handle with a
 new notification and new bytes, a standalone notification, then READ back of bytes the
@@ -201,12 +203,24 @@ def run(mode, backend):
     target.close()
 
 
+def refused(backend):
+    agent = nixl_agent("refused", nixl_agent_config(enable_prog_thread=True, backends=[]))
+    try:
+        agent.create_backend(backend, {})
+    except Exception as e:  # the binding raises nixlBackendError (its class differs by release)
+        return type(e).__name__
+    raise SystemExit("the backend was created")
+
+
 def main():
-    if len(sys.argv) != 3 or sys.argv[1] not in ("one", "two", "target"):
+    if len(sys.argv) != 3 or sys.argv[1] not in ("one", "two", "target", "refused"):
         raise SystemExit(__doc__)
     mode, backend = sys.argv[1], sys.argv[2]
     if mode == "target":
         serve_target(backend)
+    if mode == "refused":
+        print(f"PASS {backend} refused: createBackend raised {refused(backend)}", file=PROTO, flush=True)
+        os._exit(0)
     started = time.time()
     run(mode, backend)
     print(f"PASS {backend} {mode}: WRITE+notif, repost, genNotif, READ, "

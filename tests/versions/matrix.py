@@ -15,6 +15,7 @@ import argparse
 import concurrent.futures
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -62,6 +63,35 @@ def run_case(args, version, mode, backend):
     return version, mode, backend, ok, secs, layout.group(1) if layout else "", "" if ok else why
 
 
+def unknown_release(args, base="1.5.1", fake="1.6.0"):
+    """The stock agent of `base` dressed up as a release no one has tested (its dist-info
+    renamed): createBackend must fail cleanly with our message, and the process live on.
+    The agent's libraries and the Python package are copied (the plugin reads the release
+    from the dist-info beside libnixl's real path); the bundled libraries are linked."""
+    src = os.path.join(args.cache, base, "site")
+    site = os.path.join(args.cache, "..", f"unreleased-{fake}", "site")
+    if not os.path.isdir(site):
+        os.makedirs(site)
+        shutil.copytree(os.path.join(src, ".nixl_cu12.mesonpy.libs"),
+                        os.path.join(site, ".nixl_cu12.mesonpy.libs"), symlinks=True)
+        # Copied too: its extension finds libnixl through "$ORIGIN/..", which a symlinked
+        # folder would resolve to the original's parent.
+        shutil.copytree(os.path.join(src, "nixl_cu12"), os.path.join(site, "nixl_cu12"))
+        os.symlink(os.path.join(src, "nixl_cu12.libs"), os.path.join(site, "nixl_cu12.libs"))
+        os.makedirs(os.path.join(site, f"nixl_cu12-{fake}.dist-info"))
+    env = dict(os.environ, PYTHONPATH=site)
+    env.pop("NIXL_PLUGIN_DIR", None)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "case.py"), "refused", BACKEND], env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = p.stdout + p.stderr
+    want = f"cannot create backend {BACKEND}: the loading NIXL is NIXL {fake}"
+    ok = p.returncode == 0 and "PASS" in out and want in out
+    line = next((l for l in out.splitlines() if "cannot create backend" in l), "")
+    print(f"  {'ok  ' if ok else 'FAIL'} {fake} (the {base} agent, unreleased to us) refused: "
+          + (line.split("] ", 1)[-1][:160] + "..." if ok else out.strip()[-400:]), flush=True)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache", required=True)
@@ -103,7 +133,12 @@ def main():
                 failed += not r[3]
                 row.append(f"pass ({r[4]:.1f} s)" if r[3] else "FAIL")
         lines.append("| " + " | ".join(row) + " |")
-    summary = (f"{len(cases) - failed}/{len(cases)} cases passed, {len(args.versions)} releases, "
+    total = len(cases)
+    if "1.5.1" in args.versions:
+        total += 1
+        failed += not unknown_release(args)
+    summary = (f"{total - failed}/{total} cases passed (the last: an unknown release refused "
+               f"through the stock agent), {len(args.versions)} releases, "
                f"{wall:.0f} s wall with {args.jobs} jobs")
     table = "\n".join(lines + ["", summary])
     print(table)
