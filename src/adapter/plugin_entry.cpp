@@ -6,11 +6,13 @@
 #include "plugin_entry.h"
 
 #include <dlfcn.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 
 namespace nf::adapter {
@@ -30,18 +32,22 @@ void log_line(char level, const std::string &text) noexcept {
     }
 }
 
-// Whether NIXL_FABRIC_LOG (or else NIXL_LOG_LEVEL) asks for INFO or more.
-bool info_enabled() {
+// Whether NIXL_FABRIC_LOG (or else NIXL_LOG_LEVEL) names one of `levels`, the way the Rust
+// logger reads them (src/logging.rs).
+bool log_level_is(std::initializer_list<const char *> levels) {
     const char *v = std::getenv("NIXL_FABRIC_LOG");
     if (!v)
         v = std::getenv("NIXL_LOG_LEVEL");
     if (!v)
         return false;
-    for (const char *level : {"INFO", "info", "DEBUG", "debug", "TRACE", "trace"})
-        if (std::strcmp(v, level) == 0)
+    for (const char *level : levels)
+        if (strcasecmp(v, level) == 0)
             return true;
     return false;
 }
+
+bool info_enabled() { return log_level_is({"INFO", "DEBUG", "TRACE"}); }
+bool errors_off() { return log_level_is({"OFF", "NONE"}); }
 
 // An engine whose vtable is the loading NIXL's (host_nixl.h), or NULL with an error line
 // when that layout is not one we know: the agent then fails createBackend with
@@ -58,7 +64,8 @@ nixlEngineHead *create_engine(const nixlBackendInitParams *init) noexcept {
         case EngineLayout::V07: return new FabricEngineV07(init);
         case EngineLayout::Unknown: break;
         }
-        log_line('E', refusal_message(host, name_from_file()));
+        if (!errors_off())
+            log_line('E', refusal_message(host, name_from_file()));
         return nullptr;
     } catch (...) {
         return nullptr;
