@@ -30,7 +30,9 @@ dest=$(echo "$out" | sed -n 's/^installed \(.*\) (from .*/\1/p')
 [ -f "$dest" ] || fail "no installed file reported"
 case "$dest" in */.nixl_cu1[23].mesonpy.libs/plugins/libplugin_LIBFABRIC.so) ;; *) fail "installed into $dest, not the wheel's plugin folder";; esac
 [ -f "$dest.stock" ] || fail "the stock LIBFABRIC plugin was not kept as $dest.stock"
-"$py" -m nixl_fabric where | tee /dev/stderr | grep -q "^active .*nixl-fabric as: libplugin_LIBFABRIC.so" || fail "where does not show the install"
+"$py" -m nixl_fabric where > "$venv/where.log" || fail "where exited non-zero"
+cat "$venv/where.log"
+grep -q "^active .*nixl-fabric as: libplugin_LIBFABRIC.so" "$venv/where.log" || fail "where does not show the install"
 
 for mode in one two; do
   for backend in LIBFABRIC UCX; do
