@@ -129,14 +129,16 @@ FabricEngine<Base>::FabricEngine(const nixlBackendInitParams *init) : Base(init)
     nf_config_free(cfg);
 }
 
-template <class Base> FabricEngine<Base>::~FabricEngine() {
+template <class Base>
+FabricEngine<Base>::~FabricEngine() {
     if (engine_)
         nf_engine_destroy(engine_);
 }
 
 // ---- capabilities ------------------------------------------------------------------------
 
-template <class Base> nixl_mem_list_t FabricEngine<Base>::getSupportedMems() const noexcept {
+template <class Base>
+nixl_mem_list_t FabricEngine<Base>::getSupportedMems() const noexcept {
     try {
         nixl_mem_list_t mems;
         const uint32_t mask = nf_engine_supported_mems(engine_);
@@ -151,8 +153,9 @@ template <class Base> nixl_mem_list_t FabricEngine<Base>::getSupportedMems() con
 
 // ---- memory ------------------------------------------------------------------------------
 
-template <class Base> nixl_status_t FabricEngine<Base>::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem,
-                                        nixlBackendMD *&out) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem,
+                                              nixlBackendMD *&out) noexcept {
     return guarded([&] {
         auto md = std::make_unique<LocalMD>();
         const nf_status s = nf_mem_register(engine_, mem.addr, mem.len, static_cast<uint32_t>(nixl_mem),
@@ -166,7 +169,8 @@ template <class Base> nixl_status_t FabricEngine<Base>::registerMem(const nixlBl
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::deregisterMem(nixlBackendMD *meta) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::deregisterMem(nixlBackendMD *meta) noexcept {
     return guarded([&] {
         const LocalMD *md = as_local(meta);
         if (!md)
@@ -178,7 +182,8 @@ template <class Base> nixl_status_t FabricEngine<Base>::deregisterMem(nixlBacken
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::getPublicData(const nixlBackendMD *meta, std::string &str) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::getPublicData(const nixlBackendMD *meta, std::string &str) const noexcept {
     return guarded([&] {
         const LocalMD *md = as_local(meta);
         if (!md)
@@ -192,9 +197,10 @@ template <class Base> nixl_status_t FabricEngine<Base>::getPublicData(const nixl
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &mem,
-                                         const std::string &remote_agent,
-                                         nixlBackendMD *&output) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &mem,
+                                               const std::string &remote_agent,
+                                               nixlBackendMD *&output) noexcept {
     return guarded([&] {
         auto md = std::make_unique<TargetMD>();
         nf_status s = nf_rmem_load(engine_, remote_agent.c_str(), bytes(input.metaInfo),
@@ -213,7 +219,8 @@ template <class Base> nixl_status_t FabricEngine<Base>::loadRemoteMD(const nixlB
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) noexcept {
     return guarded([&] {
         const LocalMD *local = as_local(input);
         if (!local)
@@ -227,7 +234,8 @@ template <class Base> nixl_status_t FabricEngine<Base>::loadLocalMD(nixlBackendM
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::unloadMD(nixlBackendMD *input) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::unloadMD(nixlBackendMD *input) noexcept {
     return guarded([&] {
         // Self and peer MDs are both TargetMDs; a local MD is never ours to unload (ours
         // are always distinct from it), so it is refused rather than freed twice.
@@ -242,7 +250,8 @@ template <class Base> nixl_status_t FabricEngine<Base>::unloadMD(nixlBackendMD *
 
 // ---- connections -------------------------------------------------------------------------
 
-template <class Base> nixl_status_t FabricEngine<Base>::getConnInfo(std::string &str) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::getConnInfo(std::string &str) const noexcept {
     return guarded([&] {
         Blob blob;
         const nf_status s = nf_engine_conn_info(engine_, &blob.b);
@@ -253,28 +262,32 @@ template <class Base> nixl_status_t FabricEngine<Base>::getConnInfo(std::string 
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::loadRemoteConnInfo(const std::string &remote_agent,
-                                               const std::string &remote_conn_info) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::loadRemoteConnInfo(const std::string &remote_agent,
+                                                     const std::string &remote_conn_info) noexcept {
     return guarded([&] {
         return to_nixl(nf_engine_load_conn_info(engine_, remote_agent.c_str(), bytes(remote_conn_info),
                                                 remote_conn_info.size()));
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::connect(const std::string &remote_agent) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::connect(const std::string &remote_agent) noexcept {
     return guarded([&] { return to_nixl(nf_engine_connect(engine_, remote_agent.c_str())); });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::disconnect(const std::string &remote_agent) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::disconnect(const std::string &remote_agent) noexcept {
     return guarded([&] { return to_nixl(nf_engine_disconnect(engine_, remote_agent.c_str())); });
 }
 
 // ---- transfers ---------------------------------------------------------------------------
 
-template <class Base> nixl_status_t FabricEngine<Base>::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
-                                     const nixl_meta_dlist_t &remote, const std::string &remote_agent,
-                                     nixlBackendReqH *&handle,
-                                     const nixlBackendOptionalArgs *) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                                           const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                                           nixlBackendReqH *&handle,
+                                           const nixlBackendOptionalArgs *) const noexcept {
     return guarded([&] {
         const size_t n = local.descCount();
         if (remote.descCount() != n)
@@ -300,10 +313,11 @@ template <class Base> nixl_status_t FabricEngine<Base>::prepXfer(const nixl_xfer
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::postXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
-                                     const nixl_meta_dlist_t &remote, const std::string &remote_agent,
-                                     nixlBackendReqH *&handle,
-                                     const nixlBackendOptionalArgs *opt_args) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::postXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                                           const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                                           nixlBackendReqH *&handle,
+                                           const nixlBackendOptionalArgs *opt_args) const noexcept {
     return guarded([&] {
         if (!handle) { // the agent always preps first; tolerate a direct post anyway
             const nixl_status_t s = prepXfer(operation, local, remote, remote_agent, handle, opt_args);
@@ -320,7 +334,8 @@ template <class Base> nixl_status_t FabricEngine<Base>::postXfer(const nixl_xfer
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::checkXfer(nixlBackendReqH *handle) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::checkXfer(nixlBackendReqH *handle) const noexcept {
     return guarded([&] {
         FabricReqH *h = as_req(handle);
         if (!h)
@@ -329,7 +344,8 @@ template <class Base> nixl_status_t FabricEngine<Base>::checkXfer(nixlBackendReq
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::account(nf_request *req, nixl_status_t s) const {
+template <class Base>
+nixl_status_t FabricEngine<Base>::account(nf_request *req, nixl_status_t s) const {
     using T = nixl_telemetry_event_type_t;
     if (s == NIXL_SUCCESS) {
         uint64_t bytes = 0;
@@ -346,7 +362,8 @@ template <class Base> nixl_status_t FabricEngine<Base>::account(nf_request *req,
     return s;
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::releaseReqH(nixlBackendReqH *handle) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::releaseReqH(nixlBackendReqH *handle) const noexcept {
     return guarded([&] {
         if (!handle)
             return NIXL_SUCCESS;
@@ -363,23 +380,27 @@ template <class Base> nixl_status_t FabricEngine<Base>::releaseReqH(nixlBackendR
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::estimateXferCost(const nixl_xfer_op_t &, const nixl_meta_dlist_t &,
-                                             const nixl_meta_dlist_t &, const std::string &,
-                                             nixlBackendReqH *const &, std::chrono::microseconds &,
-                                             std::chrono::microseconds &, nixl_cost_t &,
-                                             const nixlAgentOptionalArgs *) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::estimateXferCost(const nixl_xfer_op_t &, const nixl_meta_dlist_t &,
+                                                   const nixl_meta_dlist_t &, const std::string &,
+                                                   nixlBackendReqH *const &, std::chrono::microseconds &,
+                                                   std::chrono::microseconds &, nixl_cost_t &,
+                                                   const nixlAgentOptionalArgs *) const noexcept {
     return NIXL_ERR_NOT_SUPPORTED;
 }
 
 // ---- queries: not offered ---------------------------------------------------------------
 
-template <class Base> nixl_status_t FabricEngine<Base>::queryMem(const nixl_reg_dlist_t &, std::vector<nixl_query_resp_t> &) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::queryMem(const nixl_reg_dlist_t &,
+                                           std::vector<nixl_query_resp_t> &) const noexcept {
     return NIXL_ERR_NOT_SUPPORTED;
 }
 
 // ---- notifications -----------------------------------------------------------------------
 
-template <class Base> nixl_status_t FabricEngine<Base>::getNotifs(notif_list_t &notif_list) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::getNotifs(notif_list_t &notif_list) noexcept {
     return guarded([&] {
         NotifSink sink{&notif_list};
         const nf_status s = nf_engine_get_notifs(engine_, &on_notif, &sink);
@@ -389,7 +410,9 @@ template <class Base> nixl_status_t FabricEngine<Base>::getNotifs(notif_list_t &
     });
 }
 
-template <class Base> nixl_status_t FabricEngine<Base>::genNotif(const std::string &remote_agent, const std::string &msg) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::genNotif(const std::string &remote_agent,
+                                           const std::string &msg) const noexcept {
     return guarded([&] {
         return to_nixl(nf_engine_send_notif(engine_, remote_agent.c_str(), bytes(msg), msg.size()));
     });
