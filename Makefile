@@ -23,7 +23,7 @@ export NIXL_FABRIC_IFACE ?= lo
 # Tests name the provider they test; same-host shm would route around it (tested on its own).
 export NIXL_FABRIC_SAME_HOST_SHM ?= false
 
-.PHONY: build deps venv test demo bench install check-header unit-test clean
+.PHONY: build deps venv test demo bench install wheel check-header unit-test clean
 
 $(STAMP):
 	@mkdir -p $@
@@ -68,6 +68,8 @@ unit-test: deps | $(STAMP)
 -include bench/bench.mk
 -include tests/netns/netns.mk
 -include tests/lf2/lf2.mk
+-include tests/versions/versions.mk
+-include tests/versions/wheel.mk
 
 TEST_TARGETS ?=
 test: build check-header unit-test $(TEST_TARGETS)
@@ -76,10 +78,26 @@ test: build check-header unit-test $(TEST_TARGETS)
 demo: build venv
 	PY=$(PY) bash demo/run_demo.sh
 
+# Into the active NIXL's own plugin folder (found by python/nixl_fabric/locate.py through
+# NIXL_PYTHON: its nixl_cu13/nixl_cu12 package, else a libnixl.so with a plugins folder), so
+# the stock UCX/POSIX plugins stay usable beside ours; NIXL_PLUGIN_DIR=<dir> installs there.
+NIXL_PYTHON ?= python3
 install: build
-	@test -n "$(NIXL_PLUGIN_DIR)" || { echo "usage: make install NIXL_PLUGIN_DIR=<dir> [BACKEND=LIBFABRIC]"; exit 1; }
-	install -d "$(NIXL_PLUGIN_DIR)"
-	install -m 0755 $(LIB) "$(NIXL_PLUGIN_DIR)/libplugin_$(BACKEND).so"
+	@if [ -n "$(NIXL_PLUGIN_DIR)" ]; then \
+	  install -d "$(NIXL_PLUGIN_DIR)" && install -m 0755 $(LIB) "$(NIXL_PLUGIN_DIR)/libplugin_$(BACKEND).so" && \
+	  echo "installed $(NIXL_PLUGIN_DIR)/libplugin_$(BACKEND).so"; \
+	else \
+	  PYTHONPATH=$(ROOT)/python $(NIXL_PYTHON) -m nixl_fabric install --so $(LIB) --name $(BACKEND); \
+	fi
+
+# A manylinux wheel: the plugin and nixl-fabric-info as data of the nixl_fabric package
+# (python -m nixl_fabric install | info); libfabric stays a system library.
+WHEEL_DIR := $(BUILD)/wheel
+WHEEL_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' $(ROOT)/Cargo.toml | head -n1)
+wheel: build
+	@rm -f $(WHEEL_DIR)/nixl_fabric-*.whl
+	python3 $(ROOT)/python/build_wheel.py --so $(LIB) --info $(TARGET)/nixl-fabric-info \
+	  --version $(WHEEL_VERSION) --out $(WHEEL_DIR)
 
 clean:
 	$(CARGO) clean

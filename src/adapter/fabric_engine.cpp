@@ -1,4 +1,5 @@
-// The 27 engine slots, each a conversion between NIXL's C++ types and one nf_* call.
+// The engine slots, each a conversion between NIXL's C++ types and one nf_* call; one
+// template for the three engine layouts, instantiated at the end of this file.
 #include "fabric_engine.h"
 
 #include <exception>
@@ -93,48 +94,51 @@ void on_notif(void *ctx, const char *sender, size_t sender_len, const uint8_t *m
 
 // ---- construction ------------------------------------------------------------------------
 
-FabricEngine::FabricEngine(const nixlBackendInitParams *init) : nixlBackendEngine(init) {
+template <class Base>
+FabricEngine<Base>::FabricEngine(const nixlBackendInitParams *init) : Base(init) {
     nf_config *cfg = nullptr;
     try {
         if (nf_config_new(&cfg) != NF_SUCCESS) {
-            initErr = true;
+            this->initErr = true;
             return;
         }
         // The agent's own settings first, so that an explicit backend parameter of the same
         // key (customParams below) overrides them. pthrDelay 0 (what Python always sends)
         // means "the default", so it leaves the configured value alone.
         if (nf_config_set(cfg, "progress_thread", init->enableProgTh ? "true" : "false") != NF_SUCCESS)
-            initErr = true;
-        if (!initErr && init->pthrDelay != 0 &&
+            this->initErr = true;
+        if (!this->initErr && init->pthrDelay != 0 &&
             nf_config_set(cfg, "progress_delay_us", std::to_string(init->pthrDelay).c_str()) != NF_SUCCESS)
-            initErr = true;
-        if (!initErr && init->customParams) {
+            this->initErr = true;
+        if (!this->initErr && init->customParams) {
             for (const auto &[key, value] : *init->customParams) {
                 const nf_status s = nf_config_set(cfg, key.c_str(), value.c_str());
                 if (s == NF_SUCCESS || s == NF_ERR_NOT_FOUND) // unknown keys: ignored (Rust logs them)
                     continue;
-                initErr = true; // a malformed value (logged by Rust)
+                this->initErr = true; // a malformed value (logged by Rust)
                 break;
             }
         }
-        if (!initErr && nf_engine_create(init->localAgent.c_str(), cfg, &engine_) != NF_SUCCESS) {
+        if (!this->initErr && nf_engine_create(init->localAgent.c_str(), cfg, &engine_) != NF_SUCCESS) {
             engine_ = nullptr;
-            initErr = true;
+            this->initErr = true;
         }
     } catch (...) {
-        initErr = true;
+        this->initErr = true;
     }
     nf_config_free(cfg);
 }
 
-FabricEngine::~FabricEngine() {
+template <class Base>
+FabricEngine<Base>::~FabricEngine() {
     if (engine_)
         nf_engine_destroy(engine_);
 }
 
 // ---- capabilities ------------------------------------------------------------------------
 
-nixl_mem_list_t FabricEngine::getSupportedMems() const noexcept {
+template <class Base>
+nixl_mem_list_t FabricEngine<Base>::getSupportedMems() const noexcept {
     try {
         nixl_mem_list_t mems;
         const uint32_t mask = nf_engine_supported_mems(engine_);
@@ -149,8 +153,9 @@ nixl_mem_list_t FabricEngine::getSupportedMems() const noexcept {
 
 // ---- memory ------------------------------------------------------------------------------
 
-nixl_status_t FabricEngine::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem,
-                                        nixlBackendMD *&out) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem,
+                                              nixlBackendMD *&out) noexcept {
     return guarded([&] {
         auto md = std::make_unique<LocalMD>();
         const nf_status s = nf_mem_register(engine_, mem.addr, mem.len, static_cast<uint32_t>(nixl_mem),
@@ -158,25 +163,27 @@ nixl_status_t FabricEngine::registerMem(const nixlBlobDesc &mem, const nixl_mem_
         if (s != NF_SUCCESS)
             return to_nixl(s);
         md->len = mem.len;
-        addTelemetryEvent(nixl_telemetry_event_type_t::AGENT_MEMORY_REGISTERED, mem.len);
+        this->addTelemetryEvent(nixl_telemetry_event_type_t::AGENT_MEMORY_REGISTERED, mem.len);
         out = md.release();
         return NIXL_SUCCESS;
     });
 }
 
-nixl_status_t FabricEngine::deregisterMem(nixlBackendMD *meta) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::deregisterMem(nixlBackendMD *meta) noexcept {
     return guarded([&] {
         const LocalMD *md = as_local(meta);
         if (!md)
             return NIXL_ERR_INVALID_PARAM;
-        addTelemetryEvent(nixl_telemetry_event_type_t::AGENT_MEMORY_DEREGISTERED, md->len);
+        this->addTelemetryEvent(nixl_telemetry_event_type_t::AGENT_MEMORY_DEREGISTERED, md->len);
         const nf_status s = nf_mem_deregister(engine_, md->mem);
         delete md; // the agent forgets the MD whatever the result
         return to_nixl(s);
     });
 }
 
-nixl_status_t FabricEngine::getPublicData(const nixlBackendMD *meta, std::string &str) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::getPublicData(const nixlBackendMD *meta, std::string &str) const noexcept {
     return guarded([&] {
         const LocalMD *md = as_local(meta);
         if (!md)
@@ -190,9 +197,10 @@ nixl_status_t FabricEngine::getPublicData(const nixlBackendMD *meta, std::string
     });
 }
 
-nixl_status_t FabricEngine::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &mem,
-                                         const std::string &remote_agent,
-                                         nixlBackendMD *&output) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &mem,
+                                               const std::string &remote_agent,
+                                               nixlBackendMD *&output) noexcept {
     return guarded([&] {
         auto md = std::make_unique<TargetMD>();
         nf_status s = nf_rmem_load(engine_, remote_agent.c_str(), bytes(input.metaInfo),
@@ -211,7 +219,8 @@ nixl_status_t FabricEngine::loadRemoteMD(const nixlBlobDesc &input, const nixl_m
     });
 }
 
-nixl_status_t FabricEngine::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) noexcept {
     return guarded([&] {
         const LocalMD *local = as_local(input);
         if (!local)
@@ -225,7 +234,8 @@ nixl_status_t FabricEngine::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&ou
     });
 }
 
-nixl_status_t FabricEngine::unloadMD(nixlBackendMD *input) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::unloadMD(nixlBackendMD *input) noexcept {
     return guarded([&] {
         // Self and peer MDs are both TargetMDs; a local MD is never ours to unload (ours
         // are always distinct from it), so it is refused rather than freed twice.
@@ -240,7 +250,8 @@ nixl_status_t FabricEngine::unloadMD(nixlBackendMD *input) noexcept {
 
 // ---- connections -------------------------------------------------------------------------
 
-nixl_status_t FabricEngine::getConnInfo(std::string &str) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::getConnInfo(std::string &str) const noexcept {
     return guarded([&] {
         Blob blob;
         const nf_status s = nf_engine_conn_info(engine_, &blob.b);
@@ -251,28 +262,32 @@ nixl_status_t FabricEngine::getConnInfo(std::string &str) const noexcept {
     });
 }
 
-nixl_status_t FabricEngine::loadRemoteConnInfo(const std::string &remote_agent,
-                                               const std::string &remote_conn_info) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::loadRemoteConnInfo(const std::string &remote_agent,
+                                                     const std::string &remote_conn_info) noexcept {
     return guarded([&] {
         return to_nixl(nf_engine_load_conn_info(engine_, remote_agent.c_str(), bytes(remote_conn_info),
                                                 remote_conn_info.size()));
     });
 }
 
-nixl_status_t FabricEngine::connect(const std::string &remote_agent) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::connect(const std::string &remote_agent) noexcept {
     return guarded([&] { return to_nixl(nf_engine_connect(engine_, remote_agent.c_str())); });
 }
 
-nixl_status_t FabricEngine::disconnect(const std::string &remote_agent) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::disconnect(const std::string &remote_agent) noexcept {
     return guarded([&] { return to_nixl(nf_engine_disconnect(engine_, remote_agent.c_str())); });
 }
 
 // ---- transfers ---------------------------------------------------------------------------
 
-nixl_status_t FabricEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
-                                     const nixl_meta_dlist_t &remote, const std::string &remote_agent,
-                                     nixlBackendReqH *&handle,
-                                     const nixlBackendOptionalArgs *) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                                           const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                                           nixlBackendReqH *&handle,
+                                           const nixlBackendOptionalArgs *) const noexcept {
     return guarded([&] {
         const size_t n = local.descCount();
         if (remote.descCount() != n)
@@ -298,10 +313,11 @@ nixl_status_t FabricEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl
     });
 }
 
-nixl_status_t FabricEngine::postXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
-                                     const nixl_meta_dlist_t &remote, const std::string &remote_agent,
-                                     nixlBackendReqH *&handle,
-                                     const nixlBackendOptionalArgs *opt_args) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::postXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                                           const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                                           nixlBackendReqH *&handle,
+                                           const nixlBackendOptionalArgs *opt_args) const noexcept {
     return guarded([&] {
         if (!handle) { // the agent always preps first; tolerate a direct post anyway
             const nixl_status_t s = prepXfer(operation, local, remote, remote_agent, handle, opt_args);
@@ -318,7 +334,8 @@ nixl_status_t FabricEngine::postXfer(const nixl_xfer_op_t &operation, const nixl
     });
 }
 
-nixl_status_t FabricEngine::checkXfer(nixlBackendReqH *handle) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::checkXfer(nixlBackendReqH *handle) const noexcept {
     return guarded([&] {
         FabricReqH *h = as_req(handle);
         if (!h)
@@ -327,24 +344,26 @@ nixl_status_t FabricEngine::checkXfer(nixlBackendReqH *handle) const noexcept {
     });
 }
 
-nixl_status_t FabricEngine::account(nf_request *req, nixl_status_t s) const {
+template <class Base>
+nixl_status_t FabricEngine<Base>::account(nf_request *req, nixl_status_t s) const {
     using T = nixl_telemetry_event_type_t;
     if (s == NIXL_SUCCESS) {
         uint64_t bytes = 0;
         uint32_t op = 0;
         if (nf_request_info(req, &bytes, &op) == NF_SUCCESS) {
             const bool write = op == NF_OP_WRITE;
-            addTelemetryEvent(write ? T::AGENT_TX_BYTES : T::AGENT_RX_BYTES, bytes);
-            addTelemetryEvent(write ? T::AGENT_TX_REQUESTS_NUM : T::AGENT_RX_REQUESTS_NUM, 1);
+            this->addTelemetryEvent(write ? T::AGENT_TX_BYTES : T::AGENT_RX_BYTES, bytes);
+            this->addTelemetryEvent(write ? T::AGENT_TX_REQUESTS_NUM : T::AGENT_RX_REQUESTS_NUM, 1);
         }
     } else if (s < 0 && s >= NIXL_ERR_CANCELED) {
         // Error events follow the status codes: -1 -> AGENT_ERR_NOT_POSTED, and so on.
-        addTelemetryEvent(static_cast<T>(static_cast<uint32_t>(T::AGENT_ERR_NOT_POSTED) - 1 - s), 1);
+        this->addTelemetryEvent(static_cast<T>(static_cast<uint32_t>(T::AGENT_ERR_NOT_POSTED) - 1 - s), 1);
     }
     return s;
 }
 
-nixl_status_t FabricEngine::releaseReqH(nixlBackendReqH *handle) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::releaseReqH(nixlBackendReqH *handle) const noexcept {
     return guarded([&] {
         if (!handle)
             return NIXL_SUCCESS;
@@ -361,33 +380,27 @@ nixl_status_t FabricEngine::releaseReqH(nixlBackendReqH *handle) const noexcept 
     });
 }
 
-nixl_status_t FabricEngine::estimateXferCost(const nixl_xfer_op_t &, const nixl_meta_dlist_t &,
-                                             const nixl_meta_dlist_t &, const std::string &,
-                                             nixlBackendReqH *const &, std::chrono::microseconds &,
-                                             std::chrono::microseconds &, nixl_cost_t &,
-                                             const nixlAgentOptionalArgs *) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::estimateXferCost(const nixl_xfer_op_t &, const nixl_meta_dlist_t &,
+                                                   const nixl_meta_dlist_t &, const std::string &,
+                                                   nixlBackendReqH *const &, std::chrono::microseconds &,
+                                                   std::chrono::microseconds &, nixl_cost_t &,
+                                                   const nixlAgentOptionalArgs *) const noexcept {
     return NIXL_ERR_NOT_SUPPORTED;
 }
 
-// ---- memory views and queries: not offered ----------------------------------------------
+// ---- queries: not offered ---------------------------------------------------------------
 
-nixl_status_t FabricEngine::prepMemView(const nixl_remote_meta_dlist_t &, nixlMemViewH &,
-                                        const nixlBackendOptionalArgs *) const noexcept {
-    return NIXL_ERR_NOT_SUPPORTED;
-}
-
-nixl_status_t FabricEngine::prepMemView(const nixl_meta_dlist_t &, nixlMemViewH &,
-                                        const nixlBackendOptionalArgs *) const noexcept {
-    return NIXL_ERR_NOT_SUPPORTED;
-}
-
-nixl_status_t FabricEngine::queryMem(const nixl_reg_dlist_t &, std::vector<nixl_query_resp_t> &) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::queryMem(const nixl_reg_dlist_t &,
+                                           std::vector<nixl_query_resp_t> &) const noexcept {
     return NIXL_ERR_NOT_SUPPORTED;
 }
 
 // ---- notifications -----------------------------------------------------------------------
 
-nixl_status_t FabricEngine::getNotifs(notif_list_t &notif_list) noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::getNotifs(notif_list_t &notif_list) noexcept {
     return guarded([&] {
         NotifSink sink{&notif_list};
         const nf_status s = nf_engine_get_notifs(engine_, &on_notif, &sink);
@@ -397,10 +410,16 @@ nixl_status_t FabricEngine::getNotifs(notif_list_t &notif_list) noexcept {
     });
 }
 
-nixl_status_t FabricEngine::genNotif(const std::string &remote_agent, const std::string &msg) const noexcept {
+template <class Base>
+nixl_status_t FabricEngine<Base>::genNotif(const std::string &remote_agent,
+                                           const std::string &msg) const noexcept {
     return guarded([&] {
         return to_nixl(nf_engine_send_notif(engine_, remote_agent.c_str(), bytes(msg), msg.size()));
     });
 }
+
+template class FabricEngine<nixlBackendEngine>;
+template class FabricEngine<nixlBackendEngineV010>;
+template class FabricEngine<nixlBackendEngineV07>;
 
 } // namespace nf::adapter

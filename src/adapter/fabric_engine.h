@@ -1,9 +1,11 @@
-// The adapter's engine: a nixlBackendEngine whose 27 slots convert NIXL's C++ types to the
+// The adapter's engine: a NIXL backend engine whose slots convert NIXL's C++ types to the
 // plain C structs of include/nixl_fabric.h and call the Rust engine. No logic and no state
 // beyond the C handles; every method catches every exception (none may reach the agent).
+// One template over the three engine layouts of engine_layouts.h, so each NIXL release gets
+// an object whose vtable is its own; the methods are the same code in all three.
 #pragma once
 
-#include "nixl_abi.h"
+#include "engine_layouts.h"
 #include "nixl_fabric.h"
 
 #include <cstdint>
@@ -52,7 +54,7 @@ class FabricReqH final : public nixlBackendReqH {
     ~FabricReqH() override { magic = 0; }
 };
 
-class FabricEngine final : public nixlBackendEngine {
+template <class Base> class FabricEngine final : public Base {
   public:
     explicit FabricEngine(const nixlBackendInitParams *init);
     // A finished post's status as telemetry: bytes and requests, or the error.
@@ -82,11 +84,8 @@ class FabricEngine final : public nixlBackendEngine {
     nixl_status_t checkXfer(nixlBackendReqH *handle) const noexcept override;
     nixl_status_t releaseReqH(nixlBackendReqH *handle) const noexcept override;
 
-    nixl_status_t prepMemView(const nixl_remote_meta_dlist_t &, nixlMemViewH &,
-                              const nixlBackendOptionalArgs *) const noexcept override;
-    nixl_status_t prepMemView(const nixl_meta_dlist_t &, nixlMemViewH &,
-                              const nixlBackendOptionalArgs *) const noexcept override;
-    void releaseMemView(nixlMemViewH) const noexcept override {}
+    // Memory views and the 0.7-0.10 GPU-request slots: the layout's own NOT_SUPPORTED
+    // defaults (engine_layouts.h), not offered by this plugin.
 
     nixl_status_t getPublicData(const nixlBackendMD *meta, std::string &str) const noexcept override;
     nixl_status_t getConnInfo(std::string &str) const noexcept override;
@@ -110,5 +109,10 @@ class FabricEngine final : public nixlBackendEngine {
   private:
     nf_engine *engine_ = nullptr; // NULL only when initErr is set
 };
+
+// The engine of each NIXL release (instantiated in fabric_engine.cpp).
+using FabricEngineV1 = FabricEngine<nixlBackendEngine>;
+using FabricEngineV010 = FabricEngine<nixlBackendEngineV010>;
+using FabricEngineV07 = FabricEngine<nixlBackendEngineV07>;
 
 } // namespace nf::adapter

@@ -1,7 +1,8 @@
-// Our own declarations of the NIXL 1.x backend-plugin interface, written from
-// /work/shared/NIXL_PLUGIN_ABI.md (no NIXL headers or source are used). Every size and
-// offset that document gives is pinned by a static_assert below; the virtual slot order of
-// nixlBackendEngine (§5.2) is checked at run time by nf_adapter_check_layout()
+// Our own declarations of the NIXL backend-plugin interface, written from
+// /work/shared/NIXL_PLUGIN_ABI.md (no NIXL headers or source are used) and from the
+// exported symbols and vtables of every nixl-cu12 wheel from 0.7.1 to 1.5.1. Every size and
+// offset is pinned by a static_assert below; the virtual slot order of each engine layout
+// (§5.2, engine_layouts.h) is checked at run time by nf_adapter_check_layout()
 // (layout_check.cpp), because a vtable index is not observable at compile time.
 //
 // Class and namespace names do not matter for dispatch (the agent only uses vtable slots
@@ -200,11 +201,12 @@ struct nixlTelemetryEvent {
     uint64_t value;
 };
 
-// ---- §5 the engine base ------------------------------------------------------------------
-// Data layout of §5.1 and the 27 virtual slots of §5.2, in declaration order. Slots 2-14 are
-// pure here as in NIXL; 15-26 carry NIXL's documented base defaults. Our engine overrides
-// all of them anyway.
-class nixlBackendEngine {
+// ---- §5 the engine base: data and the slots every release shares ----------------------
+// Data layout of §5.1 and virtual slots 0-14 of §5.2, which are the same in every NIXL
+// release from 0.7 to 1.5 (checked in each wheel: the agent reads initErr at +160 and calls
+// slots 2-14 at the same offsets). The slots after 14 differ by release; the three shipped
+// arrangements are in engine_layouts.h, which completes this class for each of them.
+class nixlEngineHead {
   private:
     const nixl_backend_t backendType;                   // +8
     nixl_b_params_t customParams;                       // +40
@@ -217,14 +219,14 @@ class nixlBackendEngine {
     const bool enableTelemetry_;                        // +200
 
   public:
-    explicit nixlBackendEngine(const nixlBackendInitParams *init)
+    explicit nixlEngineHead(const nixlBackendInitParams *init)
         : backendType(init->type),
           customParams(init->customParams ? *init->customParams : nixl_b_params_t{}),
           localAgent(init->localAgent), enableTelemetry_(init->enableTelemetry_) {}
-    nixlBackendEngine(const nixlBackendEngine &) = delete;
-    nixlBackendEngine(nixlBackendEngine &&) = delete;
-    nixlBackendEngine &operator=(const nixlBackendEngine &) = delete;
-    nixlBackendEngine &operator=(nixlBackendEngine &&) = delete;
+    nixlEngineHead(const nixlEngineHead &) = delete;
+    nixlEngineHead(nixlEngineHead &&) = delete;
+    nixlEngineHead &operator=(const nixlEngineHead &) = delete;
+    nixlEngineHead &operator=(nixlEngineHead &&) = delete;
 
   protected:
     // Pushes one telemetry event the way the base class keeps them: only with telemetry
@@ -246,7 +248,7 @@ class nixlBackendEngine {
     bool getInitErr() const { return initErr; }
 
     // slots 0, 1
-    virtual ~nixlBackendEngine() = default;
+    virtual ~nixlEngineHead() = default;
 
     // slots 2-5
     virtual bool supportsRemote() const = 0;
@@ -274,56 +276,17 @@ class nixlBackendEngine {
     virtual nixl_status_t checkXfer(nixlBackendReqH *handle) const = 0;
     virtual nixl_status_t releaseReqH(nixlBackendReqH *handle) const = 0;
 
-    // slots 15-17 (remote overload of prepMemView is declared first)
-    virtual nixl_status_t prepMemView(const nixl_remote_meta_dlist_t &, nixlMemViewH &,
-                                      const nixlBackendOptionalArgs * = nullptr) const {
-        return NIXL_ERR_NOT_SUPPORTED;
-    }
-    virtual nixl_status_t prepMemView(const nixl_meta_dlist_t &, nixlMemViewH &,
-                                      const nixlBackendOptionalArgs * = nullptr) const {
-        return NIXL_ERR_NOT_SUPPORTED;
-    }
-    virtual void releaseMemView(nixlMemViewH) const {}
-
-    // slots 18-24
-    virtual nixl_status_t getPublicData(const nixlBackendMD *, std::string &) const {
-        return NIXL_ERR_BACKEND;
-    }
-    virtual nixl_status_t getConnInfo(std::string &) const { return NIXL_ERR_BACKEND; }
-    virtual nixl_status_t loadRemoteConnInfo(const std::string &, const std::string &) {
-        return NIXL_ERR_BACKEND;
-    }
-    virtual nixl_status_t loadRemoteMD(const nixlBlobDesc &, const nixl_mem_t &, const std::string &,
-                                       nixlBackendMD *&) {
-        return NIXL_ERR_BACKEND;
-    }
-    virtual nixl_status_t loadLocalMD(nixlBackendMD *, nixlBackendMD *&) { return NIXL_ERR_BACKEND; }
-    virtual nixl_status_t getNotifs(notif_list_t &) { return NIXL_ERR_BACKEND; }
-    virtual nixl_status_t genNotif(const std::string &, const std::string &) const {
-        return NIXL_ERR_BACKEND;
-    }
-
-    // slots 25-26
-    virtual nixl_status_t queryMem(const nixl_reg_dlist_t &, std::vector<nixl_query_resp_t> &) const {
-        return NIXL_ERR_NOT_SUPPORTED;
-    }
-    virtual nixl_status_t estimateXferCost(const nixl_xfer_op_t &, const nixl_meta_dlist_t &,
-                                           const nixl_meta_dlist_t &, const std::string &,
-                                           nixlBackendReqH *const &, std::chrono::microseconds &,
-                                           std::chrono::microseconds &, nixl_cost_t &,
-                                           const nixlAgentOptionalArgs * = nullptr) const {
-        return NIXL_ERR_NOT_SUPPORTED;
-    }
-
     friend struct LayoutCheck;
 };
 
 // ---- §3 plugin descriptor (only public data, 56 bytes) ---------------------------------
 
+// The engine pointers are typed as the shared head: every layout's engine starts with it
+// at offset 0, and its virtual destructor is slot 0/1 in all of them.
 struct nixlBackendPlugin {
     int api_version;
-    nixlBackendEngine *(*create_engine)(const nixlBackendInitParams *init);
-    void (*destroy_engine)(nixlBackendEngine *engine);
+    nixlEngineHead *(*create_engine)(const nixlBackendInitParams *init);
+    void (*destroy_engine)(nixlEngineHead *engine);
     const char *(*get_plugin_name)();
     const char *(*get_plugin_version)();
     nixl_b_params_t (*get_backend_options)();
@@ -413,14 +376,14 @@ struct LayoutCheck {
     static_assert(offsetof(nixlTelemetryEvent, value) == 8);
 
     // §5.1 engine base.
-    static_assert(sizeof(nixlBackendEngine) == 208 && alignof(nixlBackendEngine) == 8);
-    static_assert(offsetof(nixlBackendEngine, backendType) == 8);
-    static_assert(offsetof(nixlBackendEngine, customParams) == 40);
-    static_assert(offsetof(nixlBackendEngine, telemetryEvents_) == 96);
-    static_assert(offsetof(nixlBackendEngine, telemetryEventsMutex_) == 120);
-    static_assert(offsetof(nixlBackendEngine, initErr) == 160);
-    static_assert(offsetof(nixlBackendEngine, localAgent) == 168);
-    static_assert(offsetof(nixlBackendEngine, enableTelemetry_) == 200);
+    static_assert(sizeof(nixlEngineHead) == 208 && alignof(nixlEngineHead) == 8);
+    static_assert(offsetof(nixlEngineHead, backendType) == 8);
+    static_assert(offsetof(nixlEngineHead, customParams) == 40);
+    static_assert(offsetof(nixlEngineHead, telemetryEvents_) == 96);
+    static_assert(offsetof(nixlEngineHead, telemetryEventsMutex_) == 120);
+    static_assert(offsetof(nixlEngineHead, initErr) == 160);
+    static_assert(offsetof(nixlEngineHead, localAgent) == 168);
+    static_assert(offsetof(nixlEngineHead, enableTelemetry_) == 200);
 
     // §3 plugin descriptor.
     static_assert(sizeof(nixlBackendPlugin) == 56 && alignof(nixlBackendPlugin) == 8);

@@ -2,11 +2,17 @@
 // re-exports as nixl_plugin_init / nixl_plugin_fini (only Rust #[no_mangle] symbols leave
 // the cdylib).
 #include "fabric_engine.h"
+#include "host_nixl.h"
 #include "plugin_entry.h"
 
 #include <dlfcn.h>
+#include <strings.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 
 namespace nf::adapter {
@@ -14,17 +20,61 @@ namespace {
 
 constexpr const char kFallbackName[] = "LIBFABRIC";
 
-nixlBackendEngine *create_engine(const nixlBackendInitParams *init) noexcept {
+std::string name_from_file();
+
+// One line on stderr in the Rust logger's format (src/logging.rs), written in one call.
+void log_line(char level, const std::string &text) noexcept {
     try {
-        return init ? new FabricEngine(init) : nullptr; // failure is reported through initErr
+        const std::string line = "[nixl-fabric " + std::string(1, level) + " " +
+                                 std::to_string(getpid()) + "] " + text + "\n";
+        (void)!fwrite(line.data(), 1, line.size(), stderr);
+    } catch (...) {
+    }
+}
+
+// Whether NIXL_FABRIC_LOG (or else NIXL_LOG_LEVEL) names one of `levels`, the way the Rust
+// logger reads them (src/logging.rs).
+bool log_level_is(std::initializer_list<const char *> levels) {
+    const char *v = std::getenv("NIXL_FABRIC_LOG");
+    if (!v)
+        v = std::getenv("NIXL_LOG_LEVEL");
+    if (!v)
+        return false;
+    for (const char *level : levels)
+        if (strcasecmp(v, level) == 0)
+            return true;
+    return false;
+}
+
+bool info_enabled() { return log_level_is({"INFO", "DEBUG", "TRACE"}); }
+bool errors_off() { return log_level_is({"OFF", "NONE"}); }
+
+// An engine whose vtable is the loading NIXL's (host_nixl.h), or NULL with an error line
+// when that layout is not one we know: the agent then fails createBackend with
+// NIXL_ERR_BACKEND. A refused host's init params are not read (their layout is unknown
+// too). Other failures are reported through initErr.
+nixlEngineHead *create_engine(const nixlBackendInitParams *init) noexcept {
+    try {
+        if (!init)
+            return nullptr;
+        const HostNixl &host = host_nixl();
+        switch (host.layout) {
+        case EngineLayout::V1: return new FabricEngineV1(init);
+        case EngineLayout::V010: return new FabricEngineV010(init);
+        case EngineLayout::V07: return new FabricEngineV07(init);
+        case EngineLayout::Unknown: break;
+        }
+        if (!errors_off())
+            log_line('E', refusal_message(host, name_from_file()));
+        return nullptr;
     } catch (...) {
         return nullptr;
     }
 }
 
-void destroy_engine(nixlBackendEngine *engine) noexcept {
+void destroy_engine(nixlEngineHead *engine) noexcept {
     try {
-        delete engine; // virtual deleting destructor
+        delete engine; // virtual deleting destructor (slot 1 in every layout)
     } catch (...) {
     }
 }
@@ -90,6 +140,36 @@ nixlBackendPlugin g_plugin = {
 } // namespace
 } // namespace nf::adapter
 
-extern "C" NF_ADAPTER_HIDDEN void *nf_adapter_plugin_init(void) { return &nf::adapter::g_plugin; }
+// Reads the loading NIXL's layout now, once, so that every engine of the process gets the
+// same answer (host_nixl caches it).
+extern "C" NF_ADAPTER_HIDDEN void *nf_adapter_plugin_init(void) {
+    using namespace nf::adapter;
+    try {
+        const HostNixl &host = host_nixl();
+        if (host.layout != EngineLayout::Unknown && info_enabled())
+            log_line('I', describe(host));
+    } catch (...) {
+    }
+    return &g_plugin;
+}
+
+// For nixl-fabric-info: what the detector makes of the NIXL libraries mapped in this
+// process right now (not cached), as one line into buf (NUL-terminated, truncated to len).
+// Returns the layout: 0 unknown, 1 for 0.7-0.9, 2 for 0.10, 3 for 1.x.
+extern "C" NF_ADAPTER_HIDDEN int nf_adapter_host_report(char *buf, size_t len) {
+    using namespace nf::adapter;
+    try {
+        const HostNixl host = classify(scan_process());
+        if (buf && len) {
+            const std::string text = describe(host);
+            std::snprintf(buf, len, "%s", text.c_str());
+        }
+        return static_cast<int>(host.layout);
+    } catch (...) {
+        if (buf && len)
+            buf[0] = 0;
+        return 0;
+    }
+}
 
 extern "C" NF_ADAPTER_HIDDEN void nf_adapter_plugin_fini(void) {}

@@ -6,6 +6,8 @@
 
 #define NF_ADAPTER_HIDDEN __attribute__((visibility("hidden")))
 
+#include <stddef.h>
+
 
 #ifdef __cplusplus
 extern "C" {
@@ -16,6 +18,10 @@ NF_ADAPTER_HIDDEN void *nf_adapter_plugin_init(void);
 
 // Nothing to release: the descriptor is static and engines are destroyed by the agent.
 NF_ADAPTER_HIDDEN void nf_adapter_plugin_fini(void);
+
+// What the layout detector (host_nixl.h) makes of the NIXL libraries mapped in this process
+// now: one line into buf, and the layout (0 unknown, 1 0.7-0.9, 2 0.10, 3 1.x).
+NF_ADAPTER_HIDDEN int nf_adapter_host_report(char *buf, size_t len);
 
 // Self-check of the declarations in nixl_abi.h that static_assert cannot see: returns 0
 // when every engine method sits in the vtable slot of ABI doc §5.2, else the first wrong

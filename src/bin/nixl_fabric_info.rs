@@ -1,6 +1,8 @@
 //! nixl-fabric-info: what the plugin would see and do on this host. Lists the libfabric
 //! providers and their capabilities, the rails an engine would open with the given
-//! parameters, whether a CUDA driver is present, and optionally runs a loopback self-test.
+//! parameters, whether a CUDA driver is present, the NIXL installations found (their plugin
+//! folders, and the engine layout the plugin would choose for each), and optionally runs a
+//! loopback self-test.
 //!
 //! usage: nixl-fabric-info [--self-test] [--config-table] [key=value ...]
 use nixl_fabric::config::{Config, TUNABLES};
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
     println!("nixl-fabric {}", env!("CARGO_PKG_VERSION"));
     println!("libfabric runtime: {}", nixl_fabric::fabric::library_version());
     println!("cuda: {}", nixl_fabric::engine::cuda_summary());
+    nixl::report();
     println!("\nproviders (RDM endpoints with messages and RMA):");
     println!("  {:<16} {:<10} {:<22} {:>4} {:>6} {:>8}", "provider", "domain", "fabric", "rma", "hmem", "cq_data");
     for p in nixl_fabric::fabric::provider_list() {
@@ -133,4 +136,161 @@ fn self_test(cfg: &Config) -> Result<(), String> {
     }
     println!("self-test passed");
     Ok(())
+}
+
+/// The NIXL installations this host has, found the way the agent looks for its plugins
+/// (NIXL_PLUGIN_DIR, else the `plugins` folder next to the libnixl.so it loads: for pip
+/// wheels site-packages/.nixl_cu12.mesonpy.libs/plugins), what their plugin folders hold, and
+/// the engine layout our plugin would choose for each (the adapter's detector,
+/// src/adapter/host_nixl.h, run after loading that libnixl.so here).
+mod nixl {
+    use std::ffi::{c_char, CStr};
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    extern "C" {
+        /// src/adapter/plugin_entry.h: the detector over the libraries mapped now; writes
+        /// one NUL-terminated line and returns the layout (0 = refused).
+        fn nf_adapter_host_report(buf: *mut c_char, len: usize) -> i32;
+    }
+
+    /// Where source builds and NVIDIA's containers put libnixl.so.
+    const PREFIXES: &[&str] = &[
+        "/opt/nvidia/nvda_nixl/lib/x86_64-linux-gnu",
+        "/opt/nvidia/nvda_nixl/lib64",
+        "/usr/local/nixl/lib/x86_64-linux-gnu",
+        "/usr/local/nixl/lib64",
+        "/usr/local/lib",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+    ];
+
+    /// Finds the NIXL wheels importable by NIXL_PYTHON (default python3) without importing
+    /// them (releases up to 1.3.2 import torch): one "package folder" line each.
+    const PY_FIND: &str = "import importlib.util as u, os\n\
+        for p in ('nixl_cu13', 'nixl_cu12', 'nixl'):\n\
+        \x20   try:\n\
+        \x20       s = u.find_spec(p)\n\
+        \x20   except Exception:\n\
+        \x20       continue\n\
+        \x20   if s and s.submodule_search_locations:\n\
+        \x20       site = os.path.dirname(os.path.abspath(list(s.submodule_search_locations)[0]))\n\
+        \x20       d = os.path.join(site, '.' + p + '.mesonpy.libs', 'plugins')\n\
+        \x20       if os.path.isdir(d):\n\
+        \x20           print(p, d)\n";
+
+    struct Folder {
+        dir: PathBuf,
+        how: String,
+    }
+
+    fn python_folders() -> Vec<Folder> {
+        let py = std::env::var("NIXL_PYTHON").unwrap_or_else(|_| "python3".into());
+        let Ok(out) = Command::new(&py).args(["-c", PY_FIND]).output() else {
+            return Vec::new();
+        };
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once(' '))
+            .map(|(pkg, dir)| Folder { dir: dir.into(), how: format!("Python package {pkg} ({py})") })
+            .collect()
+    }
+
+    fn libnixl_folders() -> Vec<Folder> {
+        let ld = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        ld.split(':')
+            .filter(|d| !d.is_empty())
+            .chain(PREFIXES.iter().copied())
+            .map(PathBuf::from)
+            .filter(|d| d.join("libnixl.so").is_file() && d.join("plugins").is_dir())
+            .map(|d| Folder { how: format!("libnixl.so in {}", d.display()), dir: d.join("plugins") })
+            .collect()
+    }
+
+    /// In the agent's order: the first is the folder a NIXL started now would use.
+    fn folders() -> Vec<Folder> {
+        let mut all = Vec::new();
+        if let Some(dir) = std::env::var_os("NIXL_PLUGIN_DIR") {
+            all.push(Folder { dir: dir.into(), how: "NIXL_PLUGIN_DIR (replaces the default folder)".into() });
+        }
+        all.extend(python_folders());
+        all.extend(libnixl_folders());
+        let mut seen = Vec::new();
+        all.retain(|f| {
+            let key = std::fs::canonicalize(&f.dir).unwrap_or_else(|_| f.dir.clone());
+            let new = !seen.contains(&key);
+            seen.push(key);
+            new
+        });
+        all
+    }
+
+    fn is_ours(path: &Path) -> bool {
+        std::fs::read(path).map(|d| d.windows(16).any(|w| w == b"nf_engine_create")).unwrap_or(false)
+    }
+
+    /// "libplugin_UCX.so", "libplugin_LIBFABRIC.so (nixl-fabric)", "libplugin_X.so (symlink:
+    /// a stock plugin does not load from another folder)".
+    fn plugins_in(dir: &Path) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return vec!["(cannot list)".into()];
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !(name.starts_with("libplugin_") && name.ends_with(".so")) {
+                    return None;
+                }
+                let path = e.path();
+                let link = std::fs::symlink_metadata(&path).map(|m| m.file_type().is_symlink()).unwrap_or(false);
+                Some(if is_ours(&path) {
+                    format!("{name} (nixl-fabric)")
+                } else if link {
+                    format!("{name} (symlink: a stock plugin only loads from its own folder)")
+                } else {
+                    name
+                })
+            })
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Loads that NIXL's libnixl.so into this process and asks the adapter's detector.
+    fn layout_of(libnixl: &Path) -> String {
+        // SAFETY: loading the agent's library runs its static constructors, as any program
+        // using NIXL does; RTLD_LOCAL keeps its symbols from interposing on ours. The handle
+        // is never closed (its libraries start threads and registries of their own).
+        let lib = unsafe { libloading::os::unix::Library::open(Some(libnixl), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+        match lib {
+            Err(e) => format!("not loaded here ({e})"),
+            Ok(lib) => {
+                std::mem::forget(lib);
+                let mut buf = vec![0u8; 2048];
+                // SAFETY: the buffer is writable for its length; the callee NUL-terminates
+                // within it and catches every exception.
+                let layout = unsafe { nf_adapter_host_report(buf.as_mut_ptr().cast(), buf.len()) };
+                let line = CStr::from_bytes_until_nul(&buf).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+                format!("{line}{}", if layout == 0 { " -> backend creation would be REFUSED" } else { " -> served" })
+            }
+        }
+    }
+
+    pub fn report() {
+        println!("\nNIXL plugin folders (the agent uses the first; install there to keep stock UCX beside ours):");
+        let found = folders();
+        if found.is_empty() {
+            println!("  none found (no nixl_cu12/nixl_cu13 package for NIXL_PYTHON, no libnixl.so with a plugins folder, NIXL_PLUGIN_DIR unset)");
+            return;
+        }
+        for (i, f) in found.iter().enumerate() {
+            println!("  {} {} ({})", if i == 0 { "active" } else { "other " }, f.dir.display(), f.how);
+            println!("         plugins: {}", plugins_in(&f.dir).join(", "));
+        }
+        // The detector sees every NIXL loaded in the process, so only the active one is loaded.
+        if let Some(lib) = found.iter().map(|f| f.dir.join("../libnixl.so")).find(|p| p.is_file()) {
+            println!("  layout: {}", layout_of(&lib));
+        }
+    }
 }
