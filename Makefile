@@ -59,6 +59,12 @@ check-header: build
 unit-test: deps | $(STAMP)
 	$(CARGO) test --$(PROFILE) 2>&1 | tee $(BUILD)/unit-test.log; exit $${PIPESTATUS[0]}
 
+# Lints are part of the tests: every warning is an error (the clippy component is added
+# where the toolchain lacks it).
+clippy: deps
+	@$(CARGO) clippy --version >/dev/null 2>&1 || rustup component add clippy
+	$(CARGO) clippy --$(PROFILE) --all-targets -- -D warnings
+
 -include plugin_tests/harness.mk
 -include plugin_tests/agent.mk
 -include tests/python/python.mk
@@ -72,7 +78,7 @@ unit-test: deps | $(STAMP)
 -include tests/versions/wheel.mk
 
 TEST_TARGETS ?=
-test: build check-header unit-test $(TEST_TARGETS)
+test: build check-header clippy unit-test $(TEST_TARGETS)
 	@echo "make test: all suites passed ($(TEST_TARGETS))"
 
 demo: build venv
