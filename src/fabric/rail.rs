@@ -10,7 +10,9 @@ use std::ffi::c_void;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
+mod fault;
 mod outbox;
+pub use fault::{FaultCounts, FaultSpec};
 pub use outbox::Posting;
 
 /// What the provider granted for this rail (from the fi_info it returned).
@@ -125,6 +127,8 @@ pub struct Rail {
     /// RMA operations waiting for the rail thread to post them (see outbox.rs).
     outbox: Mutex<VecDeque<outbox::QueuedRma>>,
     posts_on_thread: AtomicBool,
+    /// Injected provider faults (config `fault_inject`); None on every normal run.
+    fault: Option<Box<fault::Fault>>,
     _spec: RailSpec,
 }
 
@@ -233,7 +237,8 @@ impl Rail {
             caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw, caps.sync_rma, caps.rma_batch,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
-        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, calls: Arc::default(), stash: Mutex::default(), outbox: Mutex::default(), posts_on_thread: AtomicBool::new(false), _spec: spec })
+        let fault = spec.fault.clone().map(|f| Box::new(fault::Fault::new(f, index)));
+        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, calls: Arc::default(), stash: Mutex::default(), outbox: Mutex::default(), posts_on_thread: AtomicBool::new(false), fault, _spec: spec })
     }
 
     /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
@@ -344,6 +349,12 @@ impl Rail {
 
     /// `post_msg` for a caller that holds `calls`.
     fn post_msg_locked(&self, write: bool, msg: &sys::fi_msg_rma, more: bool, dc: bool) -> Result<Posted> {
+        let op = if write { "fi_writemsg" } else { "fi_readmsg" };
+        if let Some(f) = &self.fault {
+            if let Some(r) = f.on_post(op, fault::PostKind::Data) {
+                return r;
+            }
+        }
         let mut flags = sys::FI_COMPLETION as u64;
         // shm takes the flag per operation (see sync_rma); elsewhere only where granted.
         if write && dc && (self.caps.delivery_complete || self.caps.sync_rma) {
@@ -358,7 +369,7 @@ impl Rail {
         let ret = unsafe {
             if write { sys::nf_fi_writemsg(self.ep.raw, msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, msg, flags) }
         };
-        self.posted(ret, if write { "fi_writemsg" } else { "fi_readmsg" })
+        self.posted(ret, op)
     }
 
     fn posted(&self, ret: isize, op: &'static str) -> Result<Posted> {
@@ -384,6 +395,11 @@ impl Rail {
 
     pub fn send(&self, buf: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
         let _domain = self.calls.lock();
+        if let Some(f) = &self.fault {
+            if let Some(r) = f.on_post("fi_send", fault::PostKind::Data) {
+                return r;
+            }
+        }
         // SAFETY: buf stays valid until the send completes (engine invariant).
         let ret = unsafe { sys::nf_fi_send(self.ep.raw, buf as *const c_void, len, desc, dest, ctx) };
         self.posted(ret, "fi_send")
@@ -391,6 +407,11 @@ impl Rail {
 
     pub fn recv(&self, buf: *mut u8, len: usize, desc: *mut c_void, ctx: *mut c_void) -> Result<Posted> {
         let _domain = self.calls.lock();
+        if let Some(f) = &self.fault {
+            if let Some(r) = f.on_post("fi_recv", fault::PostKind::Recv) {
+                return r;
+            }
+        }
         // SAFETY: buf stays valid until the receive completes or the rail closes.
         let ret = unsafe { sys::nf_fi_recv(self.ep.raw, buf as *mut c_void, len, desc, u64::MAX, ctx) };
         self.posted(ret, "fi_recv")
@@ -410,7 +431,7 @@ impl Rail {
         if n > 0 {
             return Ok(n);
         }
-        self.read_cq(out)
+        self.read_cq_faulty(out)
     }
 
     /// Moves stashed completions into `out`; a stashed error comes back alone.
@@ -446,7 +467,7 @@ impl Rail {
         }
         let Some(_domain) = self.calls.try_lock_yielding() else { return 0 };
         let mut buf = [Completion { ctx: std::ptr::null_mut(), flags: 0, len: 0 }; 64];
-        let got = self.read_cq(&mut buf);
+        let got = self.read_cq_faulty(&mut buf);
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
         match got {
             Ok(n) => {
@@ -460,9 +481,23 @@ impl Rail {
         }
     }
 
-    /// Whether a rail thread left completions for the driver.
+    /// Whether a rail thread left completions for the driver, or the fault layer holds
+    /// some back: either way the next polls have work, so the rail is not idle.
     pub fn has_stashed(&self) -> bool {
-        !self.stash.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+        !self.stash.lock().unwrap_or_else(|p| p.into_inner()).is_empty() || self.fault.as_ref().is_some_and(|f| f.busy())
+    }
+
+    /// Faults injected on this rail so far (None: injection is off).
+    pub fn fault_counts(&self) -> Option<FaultCounts> {
+        self.fault.as_ref().map(|f| f.counts())
+    }
+
+    /// `read_cq` through the fault layer where there is one (the caller holds `calls`).
+    fn read_cq_faulty(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+        match &self.fault {
+            None => self.read_cq(out),
+            Some(f) => f.poll(out, |buf| self.read_cq(buf)),
+        }
     }
 
     /// One fi_cq_read into `out` (the caller holds `calls`).
