@@ -63,6 +63,7 @@ unit-test: deps | $(STAMP)
 -include plugin_tests/agent.mk
 -include tests/python/python.mk
 -include plugin_tests/gpu.mk
+-include plugin_tests/faults.mk
 -include plugin_tests/reliability.mk
 -include examples/examples.mk
 -include bench/bench.mk

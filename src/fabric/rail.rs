@@ -237,7 +237,7 @@ impl Rail {
             caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw, caps.sync_rma, caps.rma_batch,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
-        let fault = spec.fault.clone().map(|f| Box::new(fault::Fault::new(f, index)));
+        let fault = spec.fault.clone().map(|f| Box::new(fault::Fault::new(owner, f, index)));
         Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, calls: Arc::default(), stash: Mutex::default(), outbox: Mutex::default(), posts_on_thread: AtomicBool::new(false), fault, _spec: spec })
     }
 

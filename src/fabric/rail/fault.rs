@@ -52,6 +52,8 @@ struct State {
 pub(super) struct Fault {
     spec: FaultSpec,
     rail: usize,
+    /// The agent, for the log lines.
+    owner: String,
     state: Mutex<State>,
 }
 
@@ -59,10 +61,10 @@ const INJECTED_POST: &str = "injected post failure (fault_inject)";
 const INJECTED_CQ: &str = "injected error completion (fault_inject)";
 
 impl Fault {
-    pub(super) fn new(spec: FaultSpec, rail: usize) -> Fault {
+    pub(super) fn new(owner: &str, spec: FaultSpec, rail: usize) -> Fault {
         let rng = Rng::new(spec.seed, rail);
-        log::info!("rail {rail}: fault injection on: {spec:?}");
-        Fault { spec, rail, state: Mutex::new(State { rng, burst_left: 0, held: Vec::new(), ready: VecDeque::new(), counts: FaultCounts::default() }) }
+        log::info!("{owner}: rail {rail}: fault injection on: {spec:?}");
+        Fault { spec, rail, owner: owner.to_string(), state: Mutex::new(State { rng, burst_left: 0, held: Vec::new(), ready: VecDeque::new(), counts: FaultCounts::default() }) }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -137,7 +139,8 @@ impl Fault {
         } else {
             Ok(c)
         };
-        if st.held.len() < self.spec.hold && st.rng.chance(self.spec.reorder) {
+        let p = if recv { self.spec.reorder_recv } else { self.spec.reorder };
+        if st.held.len() < self.spec.hold && st.rng.chance(p) {
             let wait = st.rng.between_1_and(self.spec.delay);
             st.counts.held += 1;
             st.held.push((e, wait));
@@ -193,8 +196,8 @@ impl Drop for Fault {
         let st = self.state();
         let c = st.counts;
         log::info!(
-            "rail {}: injected {} EAGAIN, {} failed posts, {} error completions, {} held completions ({} still held at close)",
-            self.rail, c.eagain, c.failed_posts, c.cq_errors, c.held, st.held.len() + st.ready.len()
+            "{}: rail {}: injected {} EAGAIN, {} failed posts, {} error completions, {} held completions ({} still held at close)",
+            self.owner, self.rail, c.eagain, c.failed_posts, c.cq_errors, c.held, st.held.len() + st.ready.len()
         );
     }
 }

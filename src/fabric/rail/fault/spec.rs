@@ -19,8 +19,13 @@ pub struct FaultSpec {
     pub cq_error: f64,
     /// The same for receive completions (the pre-posted control receives).
     pub cq_error_recv: f64,
-    /// A completion read from the CQ is held back and released later, out of order.
+    /// A completion of an RMA operation or send read from the CQ is held back and released
+    /// later, out of order.
     pub reorder: f64,
+    /// The same for receive completions: off unless asked for, since the engine asks
+    /// providers for send-after-send order (FI_ORDER_SAS) and its control messages rely on
+    /// it (a notification sent after another is delivered after it).
+    pub reorder_recv: f64,
     /// A held completion waits 1..=delay further CQ polls on its rail.
     pub delay: u32,
     /// Most completions held at once per rail; beyond it completions pass through.
@@ -38,6 +43,7 @@ impl Default for FaultSpec {
             cq_error: 0.0,
             cq_error_recv: 0.0,
             reorder: 0.0,
+            reorder_recv: 0.0,
             delay: 4,
             hold: 16,
             seed: 1,
@@ -79,6 +85,7 @@ impl FaultSpec {
                 "cq_error" => f.cq_error = prob(spec, k, v)?,
                 "cq_error_recv" => f.cq_error_recv = prob(spec, k, v)?,
                 "reorder" => f.reorder = prob(spec, k, v)?,
+                "reorder_recv" => f.reorder_recv = prob(spec, k, v)?,
                 "delay" => f.delay = count(spec, k, v)?,
                 "hold" => f.hold = count(spec, k, v)?,
                 "seed" => f.seed = count(spec, k, v)?,

@@ -1,0 +1,208 @@
+//! Requests under injected provider faults (config `fault_inject`, see the README's "Fault
+//! injection"), two engines of this process over real providers on lo:
+//! - transparent faults (FI_EAGAIN storms, late and reordered completions): every request
+//!   succeeds with its bytes exact;
+//! - error faults (error completions, failed posts): an affected request fails with a NIXL
+//!   error status, never succeeds with wrong bytes; nothing hangs (every wait is bounded,
+//!   every release drains); requests after a failure still succeed.
+//!
+//! `NF_FAULT_SEED` replaces the seeds below (to explore; a failure names its seed).
+use nixl_fabric::config::Config;
+use nixl_fabric::engine::{Engine, MemKind, Op, Pair};
+use nixl_fabric::error::Status;
+use std::time::{Duration, Instant};
+
+const BLOCKS: usize = 8;
+const BS: usize = 32 << 10;
+
+fn cfg(provider: &str, thread: bool, rails: u32, spec: &str) -> Config {
+    let mut c = Config::defaults();
+    c.set("provider", provider).unwrap();
+    c.set("iface", "lo").unwrap();
+    c.set("progress_thread", if thread { "true" } else { "false" }).unwrap();
+    c.set("same_host_shm", "false").unwrap();
+    c.set("rails", &rails.to_string()).unwrap();
+    c.set("timeout_ms", "3000").unwrap();
+    c.set("fault_inject", spec).unwrap();
+    c
+}
+
+fn seed(default: u64) -> u64 {
+    std::env::var("NF_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+/// A byte that names its offset and round (no two (offset, round) pairs of a run share
+/// their 8-byte run), so misplaced or stale bytes can be traced to where they came from.
+fn pattern(i: usize, round: usize) -> u8 {
+    let x = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (round as u64 + 1).wrapping_mul(0xd1b5_4a32_d192_ed03);
+    ((x ^ (x >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9) >> 56) as u8 | 1
+}
+
+#[derive(Default, Debug)]
+struct Tally {
+    ok: usize,
+    failed: usize,
+    ok_after_failure: usize,
+    last_failed: Option<usize>,
+    statuses: Vec<Status>,
+    /// (round, offset, last failed round): bytes of an ended request that landed later.
+    late: Vec<(usize, usize, Option<usize>)>,
+}
+
+/// `rounds` requests alternating WRITE and READ of BLOCKS descriptors between two engines
+/// with `spec` injected on both. Panics on a success with wrong bytes, on a hang, on a
+/// release that does not drain. `settle`: after a failed request, let both engines
+/// progress for a while before the next round rewrites the buffers (a known engine bug
+/// lets a failed WRITE's bytes land later; see `no_bytes_land_after_a_failed_request_ended`).
+fn run(provider: &str, thread: bool, rails: u32, spec: &str, rounds: usize, settle: bool) -> Tally {
+    nixl_fabric::logging::init();
+    let c = cfg(provider, thread, rails, spec);
+    let a = Engine::new("a", c.clone()).unwrap();
+    let b = Engine::new("b", c).unwrap();
+    a.load_conn_info("b", b.conn_info()).unwrap();
+    b.load_conn_info("a", a.conn_info()).unwrap();
+    let size = BLOCKS * BS;
+    let mut local = vec![0u8; size];
+    let mut remote = vec![0u8; size];
+    let ml = a.register(local.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
+    let mr = b.register(remote.as_ptr() as u64, size as u64, MemKind::Dram, 0).unwrap();
+    let rd = a.load_remote("b", &b.public_data(&mr).unwrap()).unwrap();
+    let mut t = Tally::default();
+    for round in 0..rounds {
+        let op = if round % 2 == 0 { Op::Write } else { Op::Read };
+        // The side the bytes come from holds this round's pattern, the other zeros.
+        let (from, to) = if op == Op::Write { (&mut local, &mut remote) } else { (&mut remote, &mut local) };
+        for (i, x) in from.iter_mut().enumerate() {
+            *x = pattern(i, round);
+        }
+        to.fill(0);
+        // Blocks in reverse order on the remote side, so a misplaced block shows.
+        let pairs: Vec<Pair> = (0..BLOCKS)
+            .map(|k| Pair {
+                local: (local.as_ptr() as u64 + (k * BS) as u64, BS as u64, &ml),
+                remote: (remote.as_ptr() as u64 + ((BLOCKS - 1 - k) * BS) as u64, BS as u64, &rd),
+            })
+            .collect();
+        let req = a.prepare(op, &pairs, "b").unwrap();
+        let mut s = match a.post(&req, None) {
+            Ok(s) => s,
+            Err(e) => e.status(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while s == Status::NF_IN_PROG {
+            assert!(Instant::now() < deadline, "{provider} thread={thread} rails={rails} [{spec}] round {round}: request never ended");
+            b.progress();
+            s = a.check(&req);
+        }
+        assert!(a.release(&req), "{provider} [{spec}] round {round}: release did not drain");
+        drop(req);
+        // Where the bytes of local block k come from / go to: remote block BLOCKS-1-k.
+        let (src, dst, src_base, dst_base): (&[u8], &[u8], fn(usize) -> usize, fn(usize) -> usize) = if op == Op::Write {
+            (&local, &remote, |k| k * BS, |k| (BLOCKS - 1 - k) * BS)
+        } else {
+            (&remote, &local, |k| (BLOCKS - 1 - k) * BS, |k| k * BS)
+        };
+        if s == Status::NF_SUCCESS {
+            // The destination holds exactly this round's bytes, each block in its place.
+            for k in 0..BLOCKS {
+                let (sb, db) = (src_base(k), dst_base(k));
+                if let Some(j) = (0..BS).find(|&j| dst[db + j] != pattern(sb + j, round)) {
+                    let whose = (0..round).rev().find(|&q| dst[db + j] == pattern(sb + j, q));
+                    let wrong = (0..BS).filter(|&x| dst[db + x] != pattern(sb + x, round)).count();
+                    let zeros = (0..BS).filter(|&x| dst[db + x] == 0).count();
+                    // Late rather than lost? Give the provider a moment, then look again.
+                    for _ in 0..1000 {
+                        a.progress();
+                        b.progress();
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                    let wrong_later = (0..BS).filter(|&x| dst[db + x] != pattern(sb + x, round)).count();
+                    let origin = (0..=round).rev().find_map(|q| (0..size / BS).find(|&o| (0..BS).all(|x| dst[db + x] == pattern(o * BS + x, q))).map(|o| (q, o)));
+                    eprintln!("block {k}: {wrong} wrong bytes ({zeros} zero), {wrong_later} wrong 200 ms later; holds (round, source block) {origin:?}");
+                    panic!("{provider} thread={thread} rails={rails} [{spec}] round {round} ({op:?}): NIXL_SUCCESS with wrong bytes in block {k} \
+                            at byte {j} (round {whose:?}'s bytes?; {} requests failed before, the last at round {:?})", t.failed, t.last_failed);
+                }
+            }
+            t.ok += 1;
+            if t.failed > 0 {
+                t.ok_after_failure += 1;
+            }
+        } else {
+            t.failed += 1;
+            t.last_failed = Some(round);
+            t.statuses.push(s);
+            if settle {
+                let until = Instant::now() + Duration::from_millis(50);
+                while Instant::now() < until {
+                    a.progress();
+                    b.progress();
+                }
+            }
+        }
+        // The source must still hold this round's bytes: anything else landed there after
+        // an earlier request had ended (failed and released), while this one ran.
+        if let Some(i) = (0..size).find(|&i| src[i] != pattern(i, round)) {
+            t.late.push((round, i, t.last_failed));
+        }
+    }
+    drop((ml, mr, rd));
+    a.shutdown();
+    b.shutdown();
+    t
+}
+
+#[test]
+fn transparent_faults_are_invisible() {
+    let s = seed(7);
+    for (prov, thread, rails) in [("tcp", true, 1), ("tcp", false, 1), ("tcp", true, 2), ("sockets", true, 1)] {
+        let spec = format!("eagain=0.3,eagain_burst=8,reorder=0.5,delay=4,hold=16,seed={s}");
+        let t = run(prov, thread, rails, &spec, 40, false);
+        assert_eq!(t.failed, 0, "{prov} thread={thread} rails={rails} [{spec}]: {t:?}");
+    }
+}
+
+const ERROR_SPEC: &str = "cq_error=0.02,post_fail=0.01,eagain=0.1,eagain_burst=3,reorder=0.3";
+const CASES: [(&str, bool, u32); 4] = [("tcp", true, 1), ("tcp", false, 1), ("tcp", true, 2), ("sockets", true, 1)];
+
+/// `NF_FAULT_SPEC` replaces the error spec (the seed is added), `NF_FAULT_CASE`
+/// (`provider/thread/rails`, e.g. `tcp/true/2`) picks one case.
+fn error_runs(default_seed: u64, rounds: usize, settle: bool) -> Vec<(String, Tally)> {
+    let s = seed(default_seed);
+    let mut out = Vec::new();
+    for (prov, thread, rails) in CASES {
+        if std::env::var("NF_FAULT_CASE").is_ok_and(|c| c != format!("{prov}/{thread}/{rails}")) {
+            continue;
+        }
+        let spec = format!("{},seed={s}", std::env::var("NF_FAULT_SPEC").unwrap_or_else(|_| ERROR_SPEC.into()));
+        let t = run(prov, thread, rails, &spec, rounds, settle);
+        let name = format!("{prov} thread={thread} rails={rails} [{spec}]");
+        eprintln!("{name}: {} ok, {} failed ({} ok after a failure), late landings {:?}", t.ok, t.failed, t.ok_after_failure, t.late);
+        out.push((name, t));
+    }
+    out
+}
+
+#[test]
+fn error_faults_fail_requests_and_later_ones_work() {
+    for (name, t) in error_runs(11, 120, true) {
+        assert!(t.failed > 0, "{name}: no request was hit; raise the rates");
+        assert!(t.ok_after_failure > 0, "{name}: nothing succeeded after the first failure: {t:?}");
+        assert!(t.statuses.iter().all(|s| s.code() < 0), "{name}: {t:?}");
+    }
+}
+
+/// Engine bug, reported (not fixed here: src/engine): a WRITE that fails (an error
+/// completion or a failed post on one of its operations) ends, and its release drains,
+/// while bytes of its other operations, completed only at transmit over tcp, are still on
+/// their way to the target: they land in the target's memory after the request ended,
+/// here over the next round's bytes (with the progress thread off the next READ even
+/// returns them: NIXL_SUCCESS with the failed WRITE's bytes). Run:
+/// `cargo test --release --test faults -- --ignored --nocapture`; NF_FAULT_CASE=tcp/true/2
+/// or tcp/false/1 with NF_FAULT_SEED=7 or 11 shows it within 120 rounds.
+#[test]
+#[ignore = "engine bug: a failed WRITE's bytes land after the request ended (see the report in plugin_tests/faults.mk)"]
+fn no_bytes_land_after_a_failed_request_ended() {
+    for (name, t) in error_runs(11, 120, false) {
+        assert!(t.late.is_empty(), "{name}: bytes landed after their request ended (round, offset, last failed round): {:?}", t.late);
+    }
+}
