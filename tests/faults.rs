@@ -38,6 +38,9 @@ fn pattern(i: usize, round: usize) -> u8 {
     ((x ^ (x >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9) >> 56) as u8 | 1
 }
 
+/// Where block k of one side starts.
+type BlockAt = fn(usize) -> usize;
+
 #[derive(Default, Debug)]
 struct Tally {
     ok: usize,
@@ -97,7 +100,7 @@ fn run(provider: &str, thread: bool, rails: u32, spec: &str, rounds: usize, sett
         assert!(a.release(&req), "{provider} [{spec}] round {round}: release did not drain");
         drop(req);
         // Where the bytes of local block k come from / go to: remote block BLOCKS-1-k.
-        let (src, dst, src_base, dst_base): (&[u8], &[u8], fn(usize) -> usize, fn(usize) -> usize) = if op == Op::Write {
+        let (src, dst, src_base, dst_base): (&[u8], &[u8], BlockAt, BlockAt) = if op == Op::Write {
             (&local, &remote, |k| k * BS, |k| (BLOCKS - 1 - k) * BS)
         } else {
             (&remote, &local, |k| (BLOCKS - 1 - k) * BS, |k| k * BS)

@@ -97,7 +97,7 @@ fn getinfo_ordered(prov: &str, delivery_complete: bool, hmem: bool, raw: bool) -
         let h = &mut *hints.0;
         h.caps = (sys::FI_MSG | sys::FI_RMA | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ
             | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
-        h.mode = (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64;
+        h.mode = sys::FI_CONTEXT | sys::FI_CONTEXT2;
         (*h.ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
         let d = &mut *h.domain_attr;
         d.mr_mode = (sys::FI_MR_LOCAL | sys::FI_MR_VIRT_ADDR | sys::FI_MR_ALLOCATED
@@ -181,7 +181,7 @@ pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
                     // Without a list, prefer real interfaces; loopback only when it is all.
                     true
                 } else {
-                    wanted.iter().any(|w| *w == dn)
+                    wanted.contains(&dn)
                 };
                 if wanted_ok {
                     let ipv4 = af == sys::FI_SOCKADDR_IN;

@@ -210,7 +210,7 @@ impl Rail {
                 // shm's fast RMA takes a single remote range per operation.
                 rma_batch: if sync_rma { 1 } else { tx.iov_limit.min(tx.rma_iov_limit).clamp(1, MAX_RMA_BATCH) },
                 cq_data_size: d.cq_data_size,
-                needs_context: flag(i.mode, (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64),
+                needs_context: flag(i.mode, sys::FI_CONTEXT | sys::FI_CONTEXT2),
                 hmem: flag(i.caps, sys::FI_HMEM),
                 threading: d.threading,
             }

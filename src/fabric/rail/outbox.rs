@@ -174,7 +174,7 @@ mod tests {
             let s = seg(&mut src[i * BS..(i + 1) * BS], ms.desc, raddr(i), md.key);
             rail.queue_rma(true, &[s], me, (1000 + i) as *mut _, false).unwrap();
         }
-        let even = rail.take_queued_with(|ctx| ctx as usize % 2 == 0);
+        let even = rail.take_queued_with(|ctx| (ctx as usize).is_multiple_of(2));
         assert_eq!(even, (0..N).step_by(2).map(|i| (1000 + i) as *mut std::ffi::c_void).collect::<Vec<_>>());
         let taken = rail.take_queued_for(me);
         assert_eq!(taken, (1..N).step_by(2).map(|i| (1000 + i) as *mut std::ffi::c_void).collect::<Vec<_>>());
