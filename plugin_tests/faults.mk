@@ -6,7 +6,9 @@
 # the C harness, the stock-agent C-API test and the GPU harness against the stand-in driver
 # pass unchanged with them on. Error faults (error completions, failed posts) are tested by
 # tests/faults.rs in `make unit-test`: an affected request fails with a NIXL error status,
-# never succeeds with wrong bytes, nothing hangs, later requests succeed.
+# never succeeds with wrong bytes, nothing hangs, later requests succeed. (The C harness
+# cannot express those: it expects every request to succeed, and its two-process tests
+# fall out of step with their child after a failed request, then wait out their timeouts.)
 #
 #   make faults-test                       all of the runs below
 #   FAULTS_SPEC=... make faults-test       another spec (e.g. another seed)

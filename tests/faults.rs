@@ -203,7 +203,7 @@ fn error_faults_fail_requests_and_later_ones_work() {
 /// `cargo test --release --test faults -- --ignored --nocapture`; NF_FAULT_CASE=tcp/true/2
 /// or tcp/false/1 with NF_FAULT_SEED=7 or 11 shows it within 120 rounds.
 #[test]
-#[ignore = "engine bug: a failed WRITE's bytes land after the request ended (see the report in plugin_tests/faults.mk)"]
+#[ignore = "engine bug: a failed WRITE's bytes land after the request ended (see above)"]
 fn no_bytes_land_after_a_failed_request_ended() {
     for (name, t) in error_runs(11, 120, false) {
         assert!(t.late.is_empty(), "{name}: bytes landed after their request ended (round, offset, last failed round): {:?}", t.late);
