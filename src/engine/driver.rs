@@ -183,8 +183,10 @@ impl Driver {
             recv_mr: None,
             send_mr: None,
         };
-        ctrl.recv_mr = Some(rails[0].register(ctrl.recv.as_ptr(), ctrl.recv.len(), 1, None)?);
-        ctrl.send_mr = Some(rails[0].register(ctrl.send.as_ptr(), ctrl.send.len(), 2, None)?);
+        // SAFETY: the control buffers are owned by the driver, which drops their MRs with them.
+        ctrl.recv_mr = Some(unsafe { rails[0].register(ctrl.recv.as_ptr(), ctrl.recv.len(), 1, None) }?);
+        // SAFETY: as above.
+        ctrl.send_mr = Some(unsafe { rails[0].register(ctrl.send.as_ptr(), ctrl.send.len(), 2, None) }?);
         let cap = rails.iter().map(|r| (cfg.max_inflight as usize).min(r.caps.tx_size).max(1)).collect();
         let n = rails.len();
         let flush_writes: Vec<bool> = rails.iter().map(|r| r.caps.order_raw).collect();
@@ -192,7 +194,8 @@ impl Driver {
         let flush_buf = Box::new([0u8; 64]);
         let mut flush_mrs = Vec::with_capacity(n);
         for r in &rails {
-            flush_mrs.push(r.register(flush_buf.as_ptr(), flush_buf.len(), 3, None)?);
+            // SAFETY: flush_buf is boxed in the driver, which drops flush_mrs with it.
+            flush_mrs.push(unsafe { r.register(flush_buf.as_ptr(), flush_buf.len(), 3, None) }?);
         }
         let mut d = Driver {
             ops: OpPool::with_capacity(1024),
@@ -232,7 +235,9 @@ impl Driver {
         let deadline = Instant::now() + self.core.cfg.timeout();
         loop {
             let ctx = self.ops.alloc(OpKind::Recv { buf });
-            match self.rails[0].recv(ptr, self.ctrl.size, desc, ctx) {
+            // SAFETY: a receive slot of the driver's registered control buffer, posted once at a
+            // time; ctx is a fresh op slot released on its completion.
+            match unsafe { self.rails[0].recv(ptr, self.ctrl.size, desc, ctx) } {
                 Ok(Posted::Ok) => return Ok(()),
                 Ok(Posted::Again) => {
                     self.ops.release(ctx);
@@ -255,7 +260,9 @@ impl Driver {
         let mut mrs = Vec::with_capacity(self.rails.len());
         for r in &self.rails {
             self.next_key += 1;
-            mrs.push(r.register(addr as *const u8, len as usize, self.next_key, hmem)?);
+            // SAFETY: the caller's registration; LocalMem keeps the MRs, and the memory must
+            // outlive them (NIXL's registerMem contract).
+            mrs.push(unsafe { r.register(addr as *const u8, len as usize, self.next_key, hmem) }?);
         }
         Ok(mrs)
     }
@@ -687,9 +694,12 @@ impl Driver {
                 // A rail with its own thread posts there (over tcp a post is the socket write).
                 let res = if r.posts_on_thread() && !inline {
                     self.core.note_rail_traffic();
-                    r.queue_rma(write, &batch[..n], dest, ctx, dc)
+                    // SAFETY: segments of a prepared request inside its registrations, which the
+                    // request keeps alive until its ops drain; ctx is this op's fresh slot.
+                    unsafe { r.queue_rma(write, &batch[..n], dest, ctx, dc) }
                 } else {
-                    r.rma_batch(write, &batch[..n], dest, ctx, more, dc)
+                    // SAFETY: as above.
+                    unsafe { r.rma_batch(write, &batch[..n], dest, ctx, more, dc) }
                 };
                 match res {
                     Ok(Posted::Ok) => {
@@ -826,7 +836,8 @@ impl Driver {
             let res = match target {
                 Some((peer_id, s)) => self.conn_addr(peer_id, rail, s.rrail as usize).and_then(|dest| {
                     let ctx = self.ops.alloc(OpKind::Rma { req: req.clone(), epoch, rail: rail as u16, len: 0, inline: false });
-                    let r = self.rails[rail].read(self.flush_buf.as_mut_ptr(), 1, self.flush_mrs[rail].desc, dest, s.raddr, s.rkey, ctx, false);
+                    // SAFETY: the driver's registered flush buffer; ctx is this flush's fresh slot.
+                    let r = unsafe { self.rails[rail].read(self.flush_buf.as_mut_ptr(), 1, self.flush_mrs[rail].desc, dest, s.raddr, s.rkey, ctx, false) };
                     if !matches!(r, Ok(Posted::Ok)) {
                         self.ops.release(ctx);
                     }
@@ -911,7 +922,9 @@ impl Driver {
             let notif = m.bytes.get(wire::CTRL_TYPE_OFFSET) == Some(&(CtrlType::Notif as u8));
             let ctx = self.ops.alloc(OpKind::Send { buf, req: m.req.clone(), notif });
             let desc = CtrlBuffers::desc(&self.ctrl.send_mr);
-            match self.rails[0].send(ptr, len, desc, dest, ctx) {
+            // SAFETY: a send slot of the registered control buffer, free until this send's
+            // completion returns it; ctx is a fresh op slot.
+            match unsafe { self.rails[0].send(ptr, len, desc, dest, ctx) } {
                 Ok(Posted::Ok) => {
                     self.ctrl_out.pop_front();
                 }

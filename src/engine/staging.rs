@@ -38,7 +38,8 @@ impl Stager {
         let mut mrs = Vec::with_capacity(rails.len());
         for r in rails {
             *next_key += 1;
-            mrs.push(r.register(buf.ptr(), buf.len(), *next_key, None)?);
+            // SAFETY: the pinned pool is owned by the Stager, which drops its MRs with it.
+            mrs.push(unsafe { r.register(buf.ptr(), buf.len(), *next_key, None) }?);
         }
         log::info!("{owner}: staging pool: {n} slots of {chunk} bytes ({} MiB pinned)", (n * chunk) >> 20);
         Ok(Stager { mrs, buf, chunk, free: (0..n as u32).rev().collect(), own_cap: (n / 2).max(1), own_held: 0, streams: HashMap::new() })
@@ -301,7 +302,9 @@ impl Driver {
         let deadline = Instant::now() + self.core.cfg.timeout();
         loop {
             let ctx = self.ops.alloc(OpKind::StageRma { token, serve: false });
-            let r = if write { self.rails[rail].write(ptr, len, desc, dest, raddr, rkey, ctx, false, true) } else { self.rails[rail].read(ptr, len, desc, dest, raddr, rkey, ctx, false) };
+            // SAFETY: a registered bounce slot held by this chunk until its op completes; ctx is
+            // a fresh op slot.
+            let r = if write { unsafe { self.rails[rail].write(ptr, len, desc, dest, raddr, rkey, ctx, false, true) } } else { unsafe { self.rails[rail].read(ptr, len, desc, dest, raddr, rkey, ctx, false) } };
             match r {
                 Ok(Posted::Ok) => return Ok(()),
                 Ok(Posted::Again) => {
@@ -508,9 +511,12 @@ impl Driver {
         let (ptr, desc) = (pool.slot_ptr(slot), pool.mrs[0].desc);
         let ctx = self.ops.alloc(OpKind::StageRma { token: id, serve: true });
         let r = if write {
-            self.rails[0].write(ptr, st.len as usize, desc, dest, st.peer_addr, st.peer_key, ctx, false, true)
+            // SAFETY: the serve's registered bounce slot, held until its op completes; ctx is a
+            // fresh op slot.
+            unsafe { self.rails[0].write(ptr, st.len as usize, desc, dest, st.peer_addr, st.peer_key, ctx, false, true) }
         } else {
-            self.rails[0].read(ptr, st.len as usize, desc, dest, st.peer_addr, st.peer_key, ctx, false)
+            // SAFETY: as above.
+            unsafe { self.rails[0].read(ptr, st.len as usize, desc, dest, st.peer_addr, st.peer_key, ctx, false) }
         };
         match r {
             Ok(Posted::Ok) => Ok(()),

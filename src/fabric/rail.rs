@@ -243,7 +243,12 @@ impl Rail {
 
     /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
     /// provider does not choose keys. `hmem` is (FI_HMEM iface, device) for device memory.
-    pub fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<MemoryRegion> {
+    ///
+    /// # Safety
+    /// `addr..addr + len` is memory of this process (host memory, or memory of the device
+    /// `hmem` names) that stays allocated and mapped until the returned region is dropped:
+    /// until then the provider, and peers holding its key, may read and write it.
+    pub unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<MemoryRegion> {
         let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
         let (iface, dev) = hmem.map_or((0, 0), |(i, d)| (i as i32, d));
         let mut raw = std::ptr::null_mut();
@@ -303,7 +308,17 @@ impl Rail {
     /// One RMA operation over several segments: the provider moves the local iovs, in
     /// order, into the remote ranges, in order; pairwise equal lengths keep every byte at
     /// its own segment's address. `segs.len()` must be within 1..=caps.rma_batch.
-    pub fn rma_batch(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
+    ///
+    /// # Safety
+    /// Every local buffer of the operation lies inside memory registered on this rail's
+    /// domain (its `desc` from that registration, or null where the provider needs none),
+    /// and stays valid, and for a read is not accessed by anyone else, until the
+    /// operation's completion or error completion has been read from this rail (or, for
+    /// `queue_rma`, the operation was taken back unposted). `ctx` is a live operation slot
+    /// of the caller that stays allocated, and is not used for another outstanding
+    /// operation, until then. `dest` came from this rail's `av_insert` and stays in the AV
+    /// until then; `raddr`/`rkey` name memory the peer registered for remote access.
+    pub unsafe fn rma_batch(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
         self.check_batch(segs.len())?;
         let _domain = self.calls.lock();
         self.post_rma_locked(write, segs, dest, ctx, more, dc)
@@ -382,18 +397,48 @@ impl Rail {
         }
     }
 
+    /// Writes `len` bytes at `local` to the peer's `raddr`. `dc`: ask for delivery-complete
+    /// (else transmit-complete, and the caller flushes).
+    ///
+    /// # Safety
+    /// Every local buffer of the operation lies inside memory registered on this rail's
+    /// domain (its `desc` from that registration, or null where the provider needs none),
+    /// and stays valid, and for a read is not accessed by anyone else, until the
+    /// operation's completion or error completion has been read from this rail (or, for
+    /// `queue_rma`, the operation was taken back unposted). `ctx` is a live operation slot
+    /// of the caller that stays allocated, and is not used for another outstanding
+    /// operation, until then. `dest` came from this rail's `av_insert` and stays in the AV
+    /// until then; `raddr`/`rkey` name memory the peer registered for remote access.
     #[allow(clippy::too_many_arguments)]
-    /// `dc`: ask for delivery-complete (else transmit-complete, and the caller flushes).
-    pub fn write(&self, local: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
+    pub unsafe fn write(&self, local: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
         self.rma(true, local as *mut u8, len, desc, dest, raddr, rkey, ctx, more, dc)
     }
 
+    /// Reads `len` bytes at the peer's `raddr` into `local`.
+    ///
+    /// # Safety
+    /// Every local buffer of the operation lies inside memory registered on this rail's
+    /// domain (its `desc` from that registration, or null where the provider needs none),
+    /// and stays valid, and for a read is not accessed by anyone else, until the
+    /// operation's completion or error completion has been read from this rail (or, for
+    /// `queue_rma`, the operation was taken back unposted). `ctx` is a live operation slot
+    /// of the caller that stays allocated, and is not used for another outstanding
+    /// operation, until then. `dest` came from this rail's `av_insert` and stays in the AV
+    /// until then; `raddr`/`rkey` name memory the peer registered for remote access.
     #[allow(clippy::too_many_arguments)]
-    pub fn read(&self, local: *mut u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
+    pub unsafe fn read(&self, local: *mut u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
         self.rma(false, local, len, desc, dest, raddr, rkey, ctx, more, false)
     }
 
-    pub fn send(&self, buf: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
+    /// Sends `len` bytes at `buf` to `dest` (a control message).
+    ///
+    /// # Safety
+    /// `buf..buf + len` lies in memory registered on this rail's domain (`desc`, or null
+    /// where the provider needs none) and stays valid and unchanged until the send's
+    /// completion or error completion has been read from this rail; `ctx` is a live
+    /// operation slot that stays allocated, for this send alone, until then; `dest` came
+    /// from this rail's `av_insert` and stays in the AV until then.
+    pub unsafe fn send(&self, buf: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
         let _domain = self.calls.lock();
         if let Some(f) = &self.fault {
             if let Some(r) = f.on_post("fi_send", fault::PostKind::Data) {
@@ -405,7 +450,15 @@ impl Rail {
         self.posted(ret, "fi_send")
     }
 
-    pub fn recv(&self, buf: *mut u8, len: usize, desc: *mut c_void, ctx: *mut c_void) -> Result<Posted> {
+    /// Posts a receive buffer for one message from any peer.
+    ///
+    /// # Safety
+    /// `buf..buf + len` lies in memory registered on this rail's domain (`desc`, or null
+    /// where the provider needs none), stays valid and is not accessed by anyone else
+    /// until the receive's completion has been read from this rail or the rail closes;
+    /// `ctx` is a live operation slot that stays allocated, for this receive alone, until
+    /// then.
+    pub unsafe fn recv(&self, buf: *mut u8, len: usize, desc: *mut c_void, ctx: *mut c_void) -> Result<Posted> {
         let _domain = self.calls.lock();
         if let Some(f) = &self.fault {
             if let Some(r) = f.on_post("fi_recv", fault::PostKind::Recv) {

@@ -1,5 +1,10 @@
 //! The fault layer over a real tcp rail on lo that writes into its own memory (RMA to its
 //! own address), one test per fault kind.
+//!
+//! Posting is unsafe (fabric::Rail): here every buffer lives in a `Bufs` (or a local
+//! registered before its post) that outlives the polls that collect its completions, the
+//! contexts are plain tags (never dereferenced: the provider hands them back), and a test
+//! ends only after everything it posted completed, or with the rail dropped first.
 use super::super::{Completion, CqError, Posted, Rail, RmaSeg};
 use crate::config::Config;
 use crate::error::Error;
@@ -21,19 +26,21 @@ fn tcp_rail(spec: &str, want_wait_fd: bool) -> (Rail, u64) {
 
 /// Source and destination buffers of `n` blocks, registered on the rail.
 struct Bufs {
-    src: Vec<u8>,
-    dst: Vec<u8>,
+    // The regions are dropped (closed) before the memory they cover.
     ms: crate::fabric::MemoryRegion,
     md: crate::fabric::MemoryRegion,
+    src: Vec<u8>,
+    dst: Vec<u8>,
 }
 
 impl Bufs {
     fn new(rail: &Rail, n: usize) -> Bufs {
         let src: Vec<u8> = (0..n * BS).map(|i| (i * 13 + 5) as u8).collect();
         let dst = vec![0u8; n * BS];
-        let ms = rail.register(src.as_ptr(), src.len(), 11, None).unwrap();
-        let md = rail.register(dst.as_ptr(), dst.len(), 12, None).unwrap();
-        Bufs { src, dst, ms, md }
+        // SAFETY: the Vecs move into Bufs (their heap blocks do not move) and are freed after
+        // the regions close (field order).
+        let (ms, md) = unsafe { (rail.register(src.as_ptr(), src.len(), 11, None).unwrap(), rail.register(dst.as_ptr(), dst.len(), 12, None).unwrap()) };
+        Bufs { ms, md, src, dst }
     }
 
     fn seg(&mut self, rail: &Rail, i: usize) -> RmaSeg {
@@ -43,7 +50,8 @@ impl Bufs {
 
     fn write(&mut self, rail: &Rail, me: u64, i: usize, ctx: usize) -> crate::error::Result<Posted> {
         let s = self.seg(rail, i);
-        rail.write(s.local, s.len, s.desc, me, s.raddr, s.rkey, ctx as *mut c_void, false, false)
+        // SAFETY: both ends are in this Bufs' registrations (module comment).
+        unsafe { rail.write(s.local, s.len, s.desc, me, s.raddr, s.rkey, ctx as *mut c_void, false, false) }
     }
 }
 
@@ -102,15 +110,19 @@ fn eagain_refuses_every_post() {
         assert_eq!(b.write(&rail, me, i, 1 + i).unwrap(), Posted::Again);
     }
     let s = b.seg(&rail, 0);
-    assert_eq!(rail.read(s.local, s.len, s.desc, me, s.raddr, s.rkey, ctx(9), false).unwrap(), Posted::Again);
     let segs = [b.seg(&rail, 0), b.seg(&rail, 1)];
-    if rail.caps.rma_batch >= 2 {
-        assert_eq!(rail.rma_batch(true, &segs, me, ctx(10), false, false).unwrap(), Posted::Again);
+    // SAFETY: registered buffers of `b`; nothing reaches the provider (eagain=1), and the
+    // queued one is taken back below.
+    unsafe {
+        assert_eq!(rail.read(s.local, s.len, s.desc, me, s.raddr, s.rkey, ctx(9), false).unwrap(), Posted::Again);
+        if rail.caps.rma_batch >= 2 {
+            assert_eq!(rail.rma_batch(true, &segs, me, ctx(10), false, false).unwrap(), Posted::Again);
+        }
+        assert_eq!(rail.send(s.local, 16, s.desc, me, ctx(11)).unwrap(), Posted::Again);
+        assert_eq!(rail.recv(s.local, 16, s.desc, ctx(12)).unwrap(), Posted::Again);
+        // Queued for a rail thread: it keeps the operation at the front and reports blocked.
+        rail.queue_rma(true, &[s], me, ctx(13), false).unwrap();
     }
-    assert_eq!(rail.send(s.local, 16, s.desc, me, ctx(11)).unwrap(), Posted::Again);
-    assert_eq!(rail.recv(s.local, 16, s.desc, ctx(12)).unwrap(), Posted::Again);
-    // Queued for a rail thread: it keeps the operation at the front and reports blocked.
-    rail.queue_rma(true, &[s], me, ctx(13), false).unwrap();
     let p = rail.post_queued();
     assert!(p.blocked && p.posted == 0 && p.failed == 0 && rail.has_queued(), "{p:?}");
     let mut buf = [Completion { ctx: std::ptr::null_mut(), flags: 0, len: 0 }; 8];
@@ -161,15 +173,21 @@ fn post_fail_fails_posts_with_a_provider_error() {
         other => panic!("{other:?}"),
     }
     let s = b.seg(&rail, 1);
-    assert!(matches!(rail.read(s.local, s.len, s.desc, me, s.raddr, s.rkey, ctx(2), false), Err(Error::Fabric { op: "fi_readmsg", .. })));
-    assert!(matches!(rail.send(s.local, 16, s.desc, me, ctx(3)), Err(Error::Fabric { op: "fi_send", .. })));
-    // Receives fail only with post_fail_recv.
-    assert_eq!(rail.recv(s.local, 16, s.desc, ctx(4)).unwrap(), Posted::Ok);
-    rail.queue_rma(true, &[s], me, ctx(5), false).unwrap();
+    // SAFETY: registered buffers of `b`; the failed posts reach nothing, and the receive
+    // that is posted stays in `b` until the rail is dropped (first, below).
+    unsafe {
+        assert!(matches!(rail.read(s.local, s.len, s.desc, me, s.raddr, s.rkey, ctx(2), false), Err(Error::Fabric { op: "fi_readmsg", .. })));
+        assert!(matches!(rail.send(s.local, 16, s.desc, me, ctx(3)), Err(Error::Fabric { op: "fi_send", .. })));
+        // Receives fail only with post_fail_recv.
+        assert_eq!(rail.recv(s.local, 16, s.desc, ctx(4)).unwrap(), Posted::Ok);
+        rail.queue_rma(true, &[s], me, ctx(5), false).unwrap();
+    }
     let p = rail.post_queued();
     assert_eq!((p.posted, p.failed), (0, 1));
     assert_eq!(collect(&rail, 1, false), vec![Err((5, libc::EIO))]);
     assert_eq!(rail.fault_counts().unwrap().failed_posts, 4);
+    drop(rail);
+    drop(b);
 }
 
 /// cq_error=1: each completed write comes back once, as an error completion with its
@@ -191,8 +209,10 @@ fn cq_error_turns_completions_into_errors() {
     let s = b.seg(&rail, N);
     let rbuf = b.dst[N * BS..].as_mut_ptr();
     let mut got = Vec::new();
-    post_retry(&rail, &mut got, || rail.recv(rbuf, 64, b.md.desc, ctx(100)));
-    post_retry(&rail, &mut got, || rail.send(s.local, 64, s.desc, me, ctx(101)));
+    // SAFETY: both buffers are in `b`'s registrations; both operations complete below.
+    post_retry(&rail, &mut got, || unsafe { rail.recv(rbuf, 64, b.md.desc, ctx(100)) });
+    // SAFETY: as above.
+    post_retry(&rail, &mut got, || unsafe { rail.send(s.local, 64, s.desc, me, ctx(101)) });
     let left = 2 - got.len();
     got.extend(collect(&rail, left, false));
     got.sort_unstable();
@@ -214,7 +234,8 @@ fn reorder_delivers_every_completion_once_out_of_order() {
         for i in 0..N {
             if thread_path {
                 let s = b.seg(&rail, i);
-                rail.queue_rma(true, &[s], me, ctx(1 + i), false).unwrap();
+                // SAFETY: `b`'s registered buffers; every operation completes below.
+                unsafe { rail.queue_rma(true, &[s], me, ctx(1 + i), false) }.unwrap();
             } else {
                 post_retry(&rail, &mut early, || b.write(&rail, me, i, 1 + i));
             }
@@ -246,10 +267,12 @@ fn reorder_delivers_every_completion_once_out_of_order() {
         // Writes complete at transmit over tcp: read the target back (ordered on one
         // connection) before comparing.
         let mut back = vec![0u8; N * BS];
-        let mb = rail.register(back.as_ptr(), back.len(), 13, None).unwrap();
+        // SAFETY: `back` outlives `mb` (declared before it, dropped after it).
+        let mb = unsafe { rail.register(back.as_ptr(), back.len(), 13, None) }.unwrap();
         let raddr = if rail.caps.virt_addr { b.dst.as_ptr() as u64 } else { 0 };
         let mut got = Vec::new();
-        post_retry(&rail, &mut got, || rail.read(back.as_mut_ptr(), back.len(), mb.desc, me, raddr, b.md.key, ctx(999), false));
+        // SAFETY: into `back`, registered as `mb`; the read completes before `back` is read.
+        post_retry(&rail, &mut got, || unsafe { rail.read(back.as_mut_ptr(), back.len(), mb.desc, me, raddr, b.md.key, ctx(999), false) });
         let left = 1 - got.len();
         got.extend(collect(&rail, left, false));
         assert_eq!(got, vec![Ok(999)]);
