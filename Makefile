@@ -69,6 +69,7 @@ clippy: deps
 -include plugin_tests/agent.mk
 -include tests/python/python.mk
 -include plugin_tests/gpu.mk
+-include plugin_tests/faults.mk
 -include plugin_tests/reliability.mk
 -include examples/examples.mk
 -include bench/bench.mk

@@ -11,7 +11,7 @@ fn main() {
     let prov = a.get(1).map_or("tcp", |s| s.as_str());
     let blocks: usize = a.get(2).and_then(|s| s.parse().ok()).unwrap_or(1024);
     let bs: usize = a.get(3).and_then(|s| s.parse().ok()).unwrap_or(16384);
-    let thread = a.get(4).map_or(true, |s| s != "off");
+    let thread = a.get(4).is_none_or(|s| s != "off");
     let mut c = Config::from_env().unwrap();
     c.set("provider", prov).unwrap();
     if prov != "shm" { c.set("iface", "lo").unwrap(); }

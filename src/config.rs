@@ -85,6 +85,8 @@ tunables! {
         "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM)";
     staging_chunk_size: u64 = Size, "2097152", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
         "size of one staging chunk (device copy and network overlap chunk by chunk)";
+    fault_inject: String = Str, "", "NIXL_FABRIC_FAULT_INJECT",
+        "tests only: provider faults injected at every rail, e.g. `eagain=0.3,eagain_burst=8,reorder=0.5,delay=4,cq_error=0.001,post_fail=0.001,seed=7` (FI_EAGAIN on posts, failed posts, error completions, late and reordered completions; see Fault injection); empty = off";
 }
 
 /// Keys of the stock LIBFABRIC plugin and of other backends that callers pass through
@@ -195,6 +197,7 @@ impl Config {
             cma_threads: 0,
             staging_buffer_size: 0,
             staging_chunk_size: 0,
+            fault_inject: String::new(),
         }
     }
 
@@ -248,6 +251,7 @@ impl Config {
         if self.rails > 64 {
             return Err(Error::InvalidParam("rails must be at most 64".into()));
         }
+        crate::fabric::FaultSpec::parse(&self.fault_inject)?;
         Ok(())
     }
 }

@@ -272,10 +272,14 @@ fn generate() -> BTreeMap<&'static str, Vec<(String, Vec<u8>)>> {
     v.push(("bad-vmm-unaligned".into(), vmm(&[(0, g + 4096, g), (g + 4096, 3 * g - 4096, g)]).encode()));
     v.push(("bad-vmm-registration-outside".into(), vmm(&[(0, 2 * g, g)]).encode()));
     let mut d = vmm(&three);
-    d.ipc.as_mut().and_then(|i| i.vmm.as_mut()).map(|x| x.socket = b"two words".to_vec());
+    if let Some(x) = d.ipc.as_mut().and_then(|i| i.vmm.as_mut()) {
+        x.socket = b"two words".to_vec();
+    }
     v.push(("bad-vmm-socket-name".into(), d.encode()));
     let mut d = vmm(&three);
-    d.ipc.as_mut().and_then(|i| i.vmm.as_mut()).map(|x| x.chunks.clear());
+    if let Some(x) = d.ipc.as_mut().and_then(|i| i.vmm.as_mut()) {
+        x.chunks.clear();
+    }
     v.push(("bad-vmm-0chunks".into(), d.encode()));
     // A count of 4097 (over the bound): refused before the chunks are read.
     let mut b = vmm(&[(0, 4 << 20, 4 << 20)]).encode();

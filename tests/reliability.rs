@@ -76,18 +76,32 @@ fn spawn_victim_with(size: usize, shm: bool, rails: u32) -> Victim {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut r = BufReader::new(child.stdout.take().unwrap());
+    let ready = child.stdout.take().and_then(|out| ready_line(BufReader::new(out), Instant::now() + Duration::from_secs(30)));
+    let Some(rest) = ready else {
+        // Reap it before failing, so no zombie outlives the test.
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("victim exited or never got ready");
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Victim { child, conn: unhex(f[0]), desc: unhex(f[1]), addr: f[2].parse().unwrap() }
+}
+
+/// What follows "READY " in the victim's output (libtest prints "test child_target ... "
+/// before the test's own output), or None once it exits or the deadline passes.
+fn ready_line(mut r: impl BufRead, deadline: Instant) -> Option<String> {
     let mut line = String::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         line.clear();
-        assert!(r.read_line(&mut line).unwrap() > 0, "victim exited early");
-        // libtest prints "test child_target ... " before the test's own output.
-        if let Some(rest) = line.split_once("READY ").map(|(_, r)| r) {
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            return Victim { child, conn: unhex(f[0]), desc: unhex(f[1]), addr: f[2].parse().unwrap() };
+        if !r.read_line(&mut line).is_ok_and(|n| n > 0) {
+            return None;
         }
-        assert!(Instant::now() < deadline);
+        if let Some((_, rest)) = line.split_once("READY ") {
+            return Some(rest.to_string());
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
     }
 }
 
@@ -110,7 +124,10 @@ fn post_wait(e: &Engine, r: &Arc<Request>, limit: Duration) -> Status {
     }
 }
 
-fn write_req(e: &Engine, peer: &str, src: &[u8], lm: &Arc<LocalMem>, raddr: u64, rm: &Arc<RemoteMem>, len: usize, off: usize) -> Arc<Request> {
+/// A WRITE of `len` bytes at offset `off` of `local` (buffer, registration) to the same
+/// offset of `remote` (address, target).
+fn write_req(e: &Engine, peer: &str, local: (&[u8], &Arc<LocalMem>), remote: (u64, &Arc<RemoteMem>), len: usize, off: usize) -> Arc<Request> {
+    let ((src, lm), (raddr, rm)) = (local, remote);
     let pairs = [Pair { local: (src.as_ptr() as u64 + off as u64, len as u64, lm), remote: (raddr + off as u64, len as u64, rm) }];
     e.prepare(Op::Write, &pairs, peer).unwrap()
 }
@@ -164,7 +181,7 @@ fn dead_peer_with(shm: bool, rails: u32) {
     let mut v = spawn_victim_with(SIZE, shm, rails);
     e.load_conn_info("victim", &v.conn).unwrap();
     let rm = e.load_remote("victim", &v.desc).unwrap();
-    let reqs: Vec<_> = (0..SIZE / PIECE).map(|i| write_req(&e, "victim", &src, &lm, v.addr, &rm, PIECE, i * PIECE)).collect();
+    let reqs: Vec<_> = (0..SIZE / PIECE).map(|i| write_req(&e, "victim", (&src, &lm), (v.addr, &rm), PIECE, i * PIECE)).collect();
     // Warm up the connection, then put everything in flight and kill the peer.
     assert_eq!(post_wait(&e, &reqs[0], Duration::from_secs(20)), Status::NF_SUCCESS);
     for r in &reqs {
@@ -195,7 +212,7 @@ fn dead_peer_with(shm: bool, rails: u32) {
     assert_eq!(s, Status::NF_ERR_REMOTE_DISCONNECT, "late request after the kill");
     assert!(t0.elapsed() <= limit, "late request took {:?}", t0.elapsed());
     // The engine keeps serving the healthy peer.
-    let ok = write_req(&e, "bystander", &src, &lm, obuf.as_ptr() as u64, &orm, 1 << 20, 0);
+    let ok = write_req(&e, "bystander", (&src, &lm), (obuf.as_ptr() as u64, &orm), 1 << 20, 0);
     assert_eq!(post_wait(&e, &ok, Duration::from_secs(10)), Status::NF_SUCCESS);
     assert!(obuf.iter().all(|&b| b == 5));
     for r in reqs {
@@ -206,7 +223,7 @@ fn dead_peer_with(shm: bool, rails: u32) {
     let mut v2 = spawn_victim_with(SIZE, shm, rails);
     e.load_conn_info("victim", &v2.conn).unwrap();
     let rm2 = e.load_remote("victim", &v2.desc).unwrap();
-    let again = write_req(&e, "victim", &src, &lm, v2.addr, &rm2, PIECE, 0);
+    let again = write_req(&e, "victim", (&src, &lm), (v2.addr, &rm2), PIECE, 0);
     assert_eq!(post_wait(&e, &again, Duration::from_secs(20)), Status::NF_SUCCESS, "restarted peer");
     drop(v2.child.stdin.take());
     let _ = v2.child.wait();
@@ -234,7 +251,7 @@ fn same_host_dram_between_processes_moves_by_cma_byte_exact() {
 
     // One large WRITE, then scattered 4 KiB blocks written shifted by one block, then the
     // whole region READ back in one request.
-    let w = write_req(&e, "victim", &src, &lm, v.addr, &rm, SIZE, 0);
+    let w = write_req(&e, "victim", (&src, &lm), (v.addr, &rm), SIZE, 0);
     assert_eq!(post_wait(&e, &w, Duration::from_secs(30)), Status::NF_SUCCESS);
     let blocks: Vec<usize> = (0..2048).map(|i| (i * 7919) % (SIZE / 4096 - 1)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
     let pairs: Vec<Pair> = blocks
@@ -263,7 +280,7 @@ fn same_host_dram_between_processes_moves_by_cma_byte_exact() {
     let lm2 = off.register(src.as_ptr() as u64, SIZE as u64, MemKind::Dram, 0).unwrap();
     off.load_conn_info("victim", &v.conn).unwrap();
     let rm2 = off.load_remote("victim", &v.desc).unwrap();
-    let w2 = write_req(&off, "victim", &src, &lm2, v.addr, &rm2, 1 << 20, 0);
+    let w2 = write_req(&off, "victim", (&src, &lm2), (v.addr, &rm2), 1 << 20, 0);
     assert_eq!(post_wait(&off, &w2, Duration::from_secs(30)), Status::NF_SUCCESS);
     assert_eq!(off.counters().cma_bytes, 0);
     for r in [w, kv, rd] {
@@ -290,7 +307,7 @@ fn teardown_under_load(threads: usize, rails: u32) {
         let lm = a.register(src.as_ptr() as u64, src.len() as u64, MemKind::Dram, 0).unwrap();
         let dm = b.register(dst.as_ptr() as u64, dst.len() as u64, MemKind::Dram, 0).unwrap();
         let rm = a.load_remote("b", &b.public_data(&dm).unwrap()).unwrap();
-        let reqs: Vec<_> = (0..N).map(|i| write_req(&a, "b", &src, &lm, dst.as_ptr() as u64, &rm, LEN, i * LEN)).collect();
+        let reqs: Vec<_> = (0..N).map(|i| write_req(&a, "b", (&src, &lm), (dst.as_ptr() as u64, &rm), LEN, i * LEN)).collect();
         std::thread::scope(|s| {
             for chunk in reqs.chunks(N / threads) {
                 let a = &a;

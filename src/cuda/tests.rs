@@ -831,7 +831,7 @@ fn vmm_checks(p: &PrimaryContext) -> String {
     assert_eq!(chunks.len(), 3);
     for (i, c) in chunks.iter().enumerate() {
         assert_eq!((c.base, c.len), (buf.addr() + i as u64 * g, g));
-        assert!(c.granularity.is_power_of_two() && g % c.granularity == 0);
+        assert!(c.granularity.is_power_of_two() && g.is_multiple_of(c.granularity));
     }
     assert!(d.vmm_chunks(p, buf.addr(), buf.len(), 2).is_err(), "the chunk bound holds");
     let want: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();

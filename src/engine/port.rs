@@ -79,8 +79,6 @@ pub trait Port: Send + Sync {
     fn has_wait_fd(&self) -> bool;
 }
 
-// Until fabric's own posting calls are `unsafe fn`, the blocks below are not needed.
-#[allow(unused_unsafe)]
 impl Port for Rail {
     fn index(&self) -> usize {
         self.index

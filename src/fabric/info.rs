@@ -15,6 +15,8 @@ pub struct RailSpec {
     /// Whether delivery-complete was granted in the hints (else completions are only
     /// transmit-complete and writes need an explicit flush).
     pub delivery_complete: bool,
+    /// Provider faults to inject on rails opened from this entry (config `fault_inject`).
+    pub(crate) fault: Option<super::FaultSpec>,
 }
 
 // SAFETY: the fi_info copy is owned and only read after construction.
@@ -38,6 +40,7 @@ impl Clone for RailSpec {
             domain_name: self.domain_name.clone(),
             fabric_name: self.fabric_name.clone(),
             delivery_complete: self.delivery_complete,
+            fault: self.fault.clone(),
         }
     }
 }
@@ -94,7 +97,7 @@ fn getinfo_ordered(prov: &str, delivery_complete: bool, hmem: bool, raw: bool) -
         let h = &mut *hints.0;
         h.caps = (sys::FI_MSG | sys::FI_RMA | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ
             | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
-        h.mode = (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64;
+        h.mode = sys::FI_CONTEXT | sys::FI_CONTEXT2;
         (*h.ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
         let d = &mut *h.domain_attr;
         d.mr_mode = (sys::FI_MR_LOCAL | sys::FI_MR_VIRT_ADDR | sys::FI_MR_ALLOCATED
@@ -142,6 +145,7 @@ fn describe(p: *mut sys::fi_info) -> (String, String, String, u32) {
 /// can register device memory are picked in that mode; without it, or where the provider
 /// cannot, rails are plain and device memory is staged.
 pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
+    let fault = super::FaultSpec::parse(&cfg.fault_inject)?;
     // shm has one domain and no interfaces: an interface list (often set for the network
     // providers, e.g. NIXL_FABRIC_IFACE=lo) does not apply to it.
     let wanted: Vec<String> = if cfg.provider == "shm" {
@@ -177,7 +181,7 @@ pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
                     // Without a list, prefer real interfaces; loopback only when it is all.
                     true
                 } else {
-                    wanted.iter().any(|w| *w == dn)
+                    wanted.contains(&dn)
                 };
                 if wanted_ok {
                     let ipv4 = af == sys::FI_SOCKADDR_IN;
@@ -207,7 +211,7 @@ pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
                 if dup.is_null() {
                     return Err(Error::Backend("fi_dupinfo returned NULL".into()));
                 }
-                specs.push(RailSpec { info: dup, prov_name: pn, domain_name: dn, fabric_name: fname, delivery_complete: dc });
+                specs.push(RailSpec { info: dup, prov_name: pn, domain_name: dn, fabric_name: fname, delivery_complete: dc, fault: fault.clone() });
             }
             return Ok(specs);
         }

@@ -10,7 +10,9 @@ use std::ffi::c_void;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
+mod fault;
 mod outbox;
+pub use fault::{FaultCounts, FaultSpec};
 pub use outbox::Posting;
 
 /// What the provider granted for this rail (from the fi_info it returned).
@@ -125,6 +127,8 @@ pub struct Rail {
     /// RMA operations waiting for the rail thread to post them (see outbox.rs).
     outbox: Mutex<VecDeque<outbox::QueuedRma>>,
     posts_on_thread: AtomicBool,
+    /// Injected provider faults (config `fault_inject`); None on every normal run.
+    fault: Option<Box<fault::Fault>>,
     _spec: RailSpec,
 }
 
@@ -206,7 +210,7 @@ impl Rail {
                 // shm's fast RMA takes a single remote range per operation.
                 rma_batch: if sync_rma { 1 } else { tx.iov_limit.min(tx.rma_iov_limit).clamp(1, MAX_RMA_BATCH) },
                 cq_data_size: d.cq_data_size,
-                needs_context: flag(i.mode, (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64),
+                needs_context: flag(i.mode, sys::FI_CONTEXT | sys::FI_CONTEXT2),
                 hmem: flag(i.caps, sys::FI_HMEM),
                 threading: d.threading,
             }
@@ -233,12 +237,18 @@ impl Rail {
             caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw, caps.sync_rma, caps.rma_batch,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
-        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, calls: Arc::default(), stash: Mutex::default(), outbox: Mutex::default(), posts_on_thread: AtomicBool::new(false), _spec: spec })
+        let fault = spec.fault.clone().map(|f| Box::new(fault::Fault::new(owner, f, index)));
+        Ok(Rail { index, caps, name, ep, cq, av, domain, fabric, wait_fd, calls: Arc::default(), stash: Mutex::default(), outbox: Mutex::default(), posts_on_thread: AtomicBool::new(false), fault, _spec: spec })
     }
 
     /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
     /// provider does not choose keys. `hmem` is (FI_HMEM iface, device) for device memory.
-    pub fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<MemoryRegion> {
+    ///
+    /// # Safety
+    /// `addr..addr + len` is memory of this process (host memory, or memory of the device
+    /// `hmem` names) that stays allocated and mapped until the returned region is dropped:
+    /// until then the provider, and peers holding its key, may read and write it.
+    pub unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<MemoryRegion> {
         let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
         let (iface, dev) = hmem.map_or((0, 0), |(i, d)| (i as i32, d));
         let mut raw = std::ptr::null_mut();
@@ -298,7 +308,17 @@ impl Rail {
     /// One RMA operation over several segments: the provider moves the local iovs, in
     /// order, into the remote ranges, in order; pairwise equal lengths keep every byte at
     /// its own segment's address. `segs.len()` must be within 1..=caps.rma_batch.
-    pub fn rma_batch(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
+    ///
+    /// # Safety
+    /// Every local buffer of the operation lies inside memory registered on this rail's
+    /// domain (its `desc` from that registration, or null where the provider needs none),
+    /// and stays valid, and for a read is not accessed by anyone else, until the
+    /// operation's completion or error completion has been read from this rail (or, for
+    /// `queue_rma`, the operation was taken back unposted). `ctx` is a live operation slot
+    /// of the caller that stays allocated, and is not used for another outstanding
+    /// operation, until then. `dest` came from this rail's `av_insert` and stays in the AV
+    /// until then; `raddr`/`rkey` name memory the peer registered for remote access.
+    pub unsafe fn rma_batch(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
         self.check_batch(segs.len())?;
         let _domain = self.calls.lock();
         self.post_rma_locked(write, segs, dest, ctx, more, dc)
@@ -344,6 +364,12 @@ impl Rail {
 
     /// `post_msg` for a caller that holds `calls`.
     fn post_msg_locked(&self, write: bool, msg: &sys::fi_msg_rma, more: bool, dc: bool) -> Result<Posted> {
+        let op = if write { "fi_writemsg" } else { "fi_readmsg" };
+        if let Some(f) = &self.fault {
+            if let Some(r) = f.on_post(op, fault::PostKind::Data) {
+                return r;
+            }
+        }
         let mut flags = sys::FI_COMPLETION as u64;
         // shm takes the flag per operation (see sync_rma); elsewhere only where granted.
         if write && dc && (self.caps.delivery_complete || self.caps.sync_rma) {
@@ -358,7 +384,7 @@ impl Rail {
         let ret = unsafe {
             if write { sys::nf_fi_writemsg(self.ep.raw, msg, flags) } else { sys::nf_fi_readmsg(self.ep.raw, msg, flags) }
         };
-        self.posted(ret, if write { "fi_writemsg" } else { "fi_readmsg" })
+        self.posted(ret, op)
     }
 
     fn posted(&self, ret: isize, op: &'static str) -> Result<Posted> {
@@ -371,26 +397,74 @@ impl Rail {
         }
     }
 
+    /// Writes `len` bytes at `local` to the peer's `raddr`. `dc`: ask for delivery-complete
+    /// (else transmit-complete, and the caller flushes).
+    ///
+    /// # Safety
+    /// Every local buffer of the operation lies inside memory registered on this rail's
+    /// domain (its `desc` from that registration, or null where the provider needs none),
+    /// and stays valid, and for a read is not accessed by anyone else, until the
+    /// operation's completion or error completion has been read from this rail (or, for
+    /// `queue_rma`, the operation was taken back unposted). `ctx` is a live operation slot
+    /// of the caller that stays allocated, and is not used for another outstanding
+    /// operation, until then. `dest` came from this rail's `av_insert` and stays in the AV
+    /// until then; `raddr`/`rkey` name memory the peer registered for remote access.
     #[allow(clippy::too_many_arguments)]
-    /// `dc`: ask for delivery-complete (else transmit-complete, and the caller flushes).
-    pub fn write(&self, local: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
+    pub unsafe fn write(&self, local: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool, dc: bool) -> Result<Posted> {
         self.rma(true, local as *mut u8, len, desc, dest, raddr, rkey, ctx, more, dc)
     }
 
+    /// Reads `len` bytes at the peer's `raddr` into `local`.
+    ///
+    /// # Safety
+    /// Every local buffer of the operation lies inside memory registered on this rail's
+    /// domain (its `desc` from that registration, or null where the provider needs none),
+    /// and stays valid, and for a read is not accessed by anyone else, until the
+    /// operation's completion or error completion has been read from this rail (or, for
+    /// `queue_rma`, the operation was taken back unposted). `ctx` is a live operation slot
+    /// of the caller that stays allocated, and is not used for another outstanding
+    /// operation, until then. `dest` came from this rail's `av_insert` and stays in the AV
+    /// until then; `raddr`/`rkey` name memory the peer registered for remote access.
     #[allow(clippy::too_many_arguments)]
-    pub fn read(&self, local: *mut u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
+    pub unsafe fn read(&self, local: *mut u8, len: usize, desc: *mut c_void, dest: FiAddr, raddr: u64, rkey: u64, ctx: *mut c_void, more: bool) -> Result<Posted> {
         self.rma(false, local, len, desc, dest, raddr, rkey, ctx, more, false)
     }
 
-    pub fn send(&self, buf: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
+    /// Sends `len` bytes at `buf` to `dest` (a control message).
+    ///
+    /// # Safety
+    /// `buf..buf + len` lies in memory registered on this rail's domain (`desc`, or null
+    /// where the provider needs none) and stays valid and unchanged until the send's
+    /// completion or error completion has been read from this rail; `ctx` is a live
+    /// operation slot that stays allocated, for this send alone, until then; `dest` came
+    /// from this rail's `av_insert` and stays in the AV until then.
+    pub unsafe fn send(&self, buf: *const u8, len: usize, desc: *mut c_void, dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
         let _domain = self.calls.lock();
+        if let Some(f) = &self.fault {
+            if let Some(r) = f.on_post("fi_send", fault::PostKind::Data) {
+                return r;
+            }
+        }
         // SAFETY: buf stays valid until the send completes (engine invariant).
         let ret = unsafe { sys::nf_fi_send(self.ep.raw, buf as *const c_void, len, desc, dest, ctx) };
         self.posted(ret, "fi_send")
     }
 
-    pub fn recv(&self, buf: *mut u8, len: usize, desc: *mut c_void, ctx: *mut c_void) -> Result<Posted> {
+    /// Posts a receive buffer for one message from any peer.
+    ///
+    /// # Safety
+    /// `buf..buf + len` lies in memory registered on this rail's domain (`desc`, or null
+    /// where the provider needs none), stays valid and is not accessed by anyone else
+    /// until the receive's completion has been read from this rail or the rail closes;
+    /// `ctx` is a live operation slot that stays allocated, for this receive alone, until
+    /// then.
+    pub unsafe fn recv(&self, buf: *mut u8, len: usize, desc: *mut c_void, ctx: *mut c_void) -> Result<Posted> {
         let _domain = self.calls.lock();
+        if let Some(f) = &self.fault {
+            if let Some(r) = f.on_post("fi_recv", fault::PostKind::Recv) {
+                return r;
+            }
+        }
         // SAFETY: buf stays valid until the receive completes or the rail closes.
         let ret = unsafe { sys::nf_fi_recv(self.ep.raw, buf as *mut c_void, len, desc, u64::MAX, ctx) };
         self.posted(ret, "fi_recv")
@@ -410,7 +484,7 @@ impl Rail {
         if n > 0 {
             return Ok(n);
         }
-        self.read_cq(out)
+        self.read_cq_faulty(out)
     }
 
     /// Moves stashed completions into `out`; a stashed error comes back alone.
@@ -446,7 +520,7 @@ impl Rail {
         }
         let Some(_domain) = self.calls.try_lock_yielding() else { return 0 };
         let mut buf = [Completion { ctx: std::ptr::null_mut(), flags: 0, len: 0 }; 64];
-        let got = self.read_cq(&mut buf);
+        let got = self.read_cq_faulty(&mut buf);
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
         match got {
             Ok(n) => {
@@ -460,9 +534,23 @@ impl Rail {
         }
     }
 
-    /// Whether a rail thread left completions for the driver.
+    /// Whether a rail thread left completions for the driver, or the fault layer holds
+    /// some back: either way the next polls have work, so the rail is not idle.
     pub fn has_stashed(&self) -> bool {
-        !self.stash.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+        !self.stash.lock().unwrap_or_else(|p| p.into_inner()).is_empty() || self.fault.as_ref().is_some_and(|f| f.busy())
+    }
+
+    /// Faults injected on this rail so far (None: injection is off).
+    pub fn fault_counts(&self) -> Option<FaultCounts> {
+        self.fault.as_ref().map(|f| f.counts())
+    }
+
+    /// `read_cq` through the fault layer where there is one (the caller holds `calls`).
+    fn read_cq_faulty(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+        match &self.fault {
+            None => self.read_cq(out),
+            Some(f) => f.poll(out, |buf| self.read_cq(buf)),
+        }
     }
 
     /// One fi_cq_read into `out` (the caller holds `calls`).

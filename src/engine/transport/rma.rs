@@ -97,9 +97,12 @@ impl Rma {
                     st.inflight_total += 1;
                     add(&cx.core.counters.ops_posted, 1);
                 }
-                Ok(Posted::Again) => {
-                    // The same read, again next pass; the others first (a full queue toward
-                    // one peer must not hold up the rest).
+                // The same read, again next pass; the others first (a full queue toward one
+                // peer must not hold up the rest). A post the provider rejected is retried
+                // too, until the post's deadline: without the read nothing shows that the
+                // post's earlier writes landed, and a post that ended could still see them
+                // land over its owner's next request.
+                Ok(Posted::Again) | Err(Error::Fabric { .. }) => {
                     add(&cx.core.counters.retries, 1);
                     if let Some(f) = self.flushes.pop_front() {
                         self.flushes.push_back(f);
@@ -352,7 +355,7 @@ mod tests {
     }
 
     #[test]
-    fn writes_on_ordered_rails_end_with_one_flush_read_each_retried_as_a_read() {
+    fn writes_on_ordered_rails_end_with_one_flush_read_each_retried_as_a_read_until_posted() {
         let mut b = Bench::new(2, true);
         let peer = b.peer(1, Locality::Remote);
         let src = pattern(32 * 1024);
@@ -369,7 +372,8 @@ mod tests {
             st.epoch = 1;
             st.phase = Phase::Data;
         }
-        b.fakes[1].script(&[Answer::Again, Answer::Again]);
+        // Refused, then rejected, then refused: still one read, and the post's last piece.
+        b.fakes[1].script(&[Answer::Again, Answer::Fail, Answer::Again]);
         let mut flushed = Vec::new();
         for _ in 0..10 {
             t.advance(&mut b.cx());

@@ -53,7 +53,17 @@ impl Rail {
 
     /// Queues an RMA operation for the rail thread (the driver's side of `rma_batch`): its
     /// completion, or its rejection, arrives through `poll` like any other.
-    pub fn queue_rma(&self, write: bool, segs: &[RmaSeg], dest: super::FiAddr, ctx: *mut c_void, dc: bool) -> crate::error::Result<Posted> {
+    ///
+    /// # Safety
+    /// Every local buffer of the operation lies inside memory registered on this rail's
+    /// domain (its `desc` from that registration, or null where the provider needs none),
+    /// and stays valid, and for a read is not accessed by anyone else, until the
+    /// operation's completion or error completion has been read from this rail (or, for
+    /// `queue_rma`, the operation was taken back unposted). `ctx` is a live operation slot
+    /// of the caller that stays allocated, and is not used for another outstanding
+    /// operation, until then. `dest` came from this rail's `av_insert` and stays in the AV
+    /// until then; `raddr`/`rkey` name memory the peer registered for remote access.
+    pub unsafe fn queue_rma(&self, write: bool, segs: &[RmaSeg], dest: super::FiAddr, ctx: *mut c_void, dc: bool) -> crate::error::Result<Posted> {
         let n = segs.len();
         self.check_batch(n)?;
         let mut q = QueuedRma { write, segs: [segs[0]; MAX_RMA_BATCH], n, dest, ctx, dc };
@@ -166,15 +176,18 @@ mod tests {
         const BS: usize = 64 << 10;
         let mut src: Vec<u8> = (0..N * BS).map(|i| (i * 7 + 1) as u8).collect();
         let dst = vec![0u8; N * BS];
-        let ms = rail.register(src.as_ptr(), src.len(), 1, None).unwrap();
-        let md = rail.register(dst.as_ptr(), dst.len(), 2, None).unwrap();
+        // SAFETY: src and dst are declared before the regions, so they outlive them; every
+        // operation queued below completes or is taken back before the test ends, and the
+        // contexts are plain tags.
+        let (ms, md) = unsafe { (rail.register(src.as_ptr(), src.len(), 1, None).unwrap(), rail.register(dst.as_ptr(), dst.len(), 2, None).unwrap()) };
         let raddr = |i: usize| if rail.caps.virt_addr { dst.as_ptr() as u64 + (i * BS) as u64 } else { (i * BS) as u64 };
         // Taken back before any post: nothing reaches the peer.
         for i in 0..N {
             let s = seg(&mut src[i * BS..(i + 1) * BS], ms.desc, raddr(i), md.key);
-            rail.queue_rma(true, &[s], me, (1000 + i) as *mut _, false).unwrap();
+            // SAFETY: see the registrations above.
+            unsafe { rail.queue_rma(true, &[s], me, (1000 + i) as *mut _, false) }.unwrap();
         }
-        let even = rail.take_queued_with(|ctx| ctx as usize % 2 == 0);
+        let even = rail.take_queued_with(|ctx| (ctx as usize).is_multiple_of(2));
         assert_eq!(even, (0..N).step_by(2).map(|i| (1000 + i) as *mut std::ffi::c_void).collect::<Vec<_>>());
         let taken = rail.take_queued_for(me);
         assert_eq!(taken, (1..N).step_by(2).map(|i| (1000 + i) as *mut std::ffi::c_void).collect::<Vec<_>>());
@@ -182,7 +195,8 @@ mod tests {
         // Queued and posted: every context completes once.
         for i in 0..N {
             let s = seg(&mut src[i * BS..(i + 1) * BS], ms.desc, raddr(i), md.key);
-            rail.queue_rma(true, &[s], me, (1 + i) as *mut _, false).unwrap();
+            // SAFETY: see the registrations above.
+            unsafe { rail.queue_rma(true, &[s], me, (1 + i) as *mut _, false) }.unwrap();
         }
         let mut done = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -200,9 +214,11 @@ mod tests {
         // A write completion over tcp means the data left, not that it landed: read it back
         // (tcp orders RMA on one connection).
         let mut back = vec![0u8; N * BS];
-        let mb = rail.register(back.as_ptr(), back.len(), 3, None).unwrap();
+        // SAFETY: `back` outlives `mb`, and the read completes before `back` is compared.
+        let mb = unsafe { rail.register(back.as_ptr(), back.len(), 3, None) }.unwrap();
         let s = seg(&mut back[..], mb.desc, raddr(0), md.key);
-        rail.queue_rma(false, &[s], me, 99 as *mut _, false).unwrap();
+        // SAFETY: as above.
+        unsafe { rail.queue_rma(false, &[s], me, 99 as *mut _, false) }.unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             assert!(Instant::now() < deadline, "read back");
