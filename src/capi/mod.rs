@@ -499,13 +499,30 @@ pub extern "C" fn nf_request_create(engine: *mut nf_engine, op: u32, local: *con
         }
         let (l, r) = (guard::slice(local, count, "local descriptor list")?, guard::slice(remote, count, "remote descriptor list")?);
         let mut pairs = Vec::with_capacity(count);
+        // Descriptor lists name a few registrations in long runs: a handle is looked up in the
+        // registry when it differs from the previous descriptor's, not once per descriptor.
+        let (mut last_l, mut last_r) = (None, None);
         for (i, (a, b)) in l.iter().zip(r).enumerate() {
-            let lm = handle(a.mem as *const nf_mem, MEM_MAGIC, "local descriptor's mem").map_err(|_| {
-                Error::InvalidParam(format!("local descriptor {i} has no valid registration"))
-            })?;
-            let rm = handle(b.mem as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem").map_err(|_| {
-                Error::InvalidParam(format!("remote descriptor {i} has no valid target"))
-            })?;
+            let lm = match last_l {
+                Some((p, m)) if p == a.mem => m,
+                _ => {
+                    let m = handle(a.mem as *const nf_mem, MEM_MAGIC, "local descriptor's mem").map_err(|_| {
+                        Error::InvalidParam(format!("local descriptor {i} has no valid registration"))
+                    })?;
+                    last_l = Some((a.mem, m));
+                    m
+                }
+            };
+            let rm = match last_r {
+                Some((p, m)) if p == b.mem => m,
+                _ => {
+                    let m = handle(b.mem as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem").map_err(|_| {
+                        Error::InvalidParam(format!("remote descriptor {i} has no valid target"))
+                    })?;
+                    last_r = Some((b.mem, m));
+                    m
+                }
+            };
             pairs.push(engine::Pair { local: (a.addr, a.len, &lm.mem), remote: (b.addr, b.len, &rm.rmem) });
         }
         let op = match op {
