@@ -485,6 +485,18 @@ pub extern "C" fn nf_rmem_unload(engine: *mut nf_engine, rmem: *mut nf_rmem) -> 
     })
 }
 
+/// `last`'s handle if `p` is the pointer it was found for, else `lookup`'s (remembered).
+fn same_or<'a, T>(last: &mut Option<(*const c_void, &'a T)>, p: *const c_void, lookup: impl FnOnce() -> Result<&'a T, Error>) -> Result<&'a T, Error> {
+    match *last {
+        Some((q, t)) if q == p => Ok(t),
+        _ => {
+            let t = lookup()?;
+            *last = Some((p, t));
+            Ok(t)
+        }
+    }
+}
+
 /// Prepares a request of `count` pairs local[i] <-> remote[i] (equal lengths) with peer
 /// `peer` (our own agent name for loopback). `op` is `nf_op`. Checks every descriptor
 /// against its registration.
@@ -503,26 +515,14 @@ pub extern "C" fn nf_request_create(engine: *mut nf_engine, op: u32, local: *con
         // registry when it differs from the previous descriptor's, not once per descriptor.
         let (mut last_l, mut last_r) = (None, None);
         for (i, (a, b)) in l.iter().zip(r).enumerate() {
-            let lm = match last_l {
-                Some((p, m)) if p == a.mem => m,
-                _ => {
-                    let m = handle(a.mem as *const nf_mem, MEM_MAGIC, "local descriptor's mem").map_err(|_| {
-                        Error::InvalidParam(format!("local descriptor {i} has no valid registration"))
-                    })?;
-                    last_l = Some((a.mem, m));
-                    m
-                }
-            };
-            let rm = match last_r {
-                Some((p, m)) if p == b.mem => m,
-                _ => {
-                    let m = handle(b.mem as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem").map_err(|_| {
-                        Error::InvalidParam(format!("remote descriptor {i} has no valid target"))
-                    })?;
-                    last_r = Some((b.mem, m));
-                    m
-                }
-            };
+            let lm = same_or(&mut last_l, a.mem, || {
+                handle(a.mem as *const nf_mem, MEM_MAGIC, "local descriptor's mem")
+                    .map_err(|_| Error::InvalidParam(format!("local descriptor {i} has no valid registration")))
+            })?;
+            let rm = same_or(&mut last_r, b.mem, || {
+                handle(b.mem as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem")
+                    .map_err(|_| Error::InvalidParam(format!("remote descriptor {i} has no valid target")))
+            })?;
             pairs.push(engine::Pair { local: (a.addr, a.len, &lm.mem), remote: (b.addr, b.len, &rm.rmem) });
         }
         let op = match op {

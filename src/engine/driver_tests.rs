@@ -131,8 +131,7 @@ fn a_peer_that_never_answers_times_out_and_a_notification_arrives_once() {
     b.conns.peers.clear();
     let (mut d, inbox) = driver(&b);
     // The provider refuses every post: nothing completes, the deadline fails the post.
-    b.fakes[0].script(&[Answer::Again]);
-    b.fakes[0].storm(1_000_000);
+    b.fakes[0].refuse_all(true);
     let src = vec![5u8; 4096];
     let mut dst = vec![0u8; 4096];
     let req = Arc::new(Request::new(Op::Write, Target::Peer(peer), segs(&src, &mut dst, 1, 1), Vec::new(), Vec::new(), Vec::new()));

@@ -489,24 +489,7 @@ impl Rail {
 
     /// Moves stashed completions into `out`; a stashed error comes back alone.
     fn take_stashed(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
-        let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
-        let mut n = 0;
-        while n < out.len() {
-            match stash.front() {
-                Some(Ok(c)) => {
-                    out[n] = *c;
-                    n += 1;
-                    stash.pop_front();
-                }
-                Some(Err(_)) if n == 0 => {
-                    if let Some(Err(e)) = stash.pop_front() {
-                        return Err(e);
-                    }
-                }
-                _ => break,
-            }
-        }
-        Ok(n)
+        fault::hand_out(&mut self.stash.lock().unwrap_or_else(|p| p.into_inner()), out)
     }
 
     /// A rail thread's turn: drives the provider's progress on this rail (over tcp: the

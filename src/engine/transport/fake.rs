@@ -42,6 +42,8 @@ struct State {
     script: VecDeque<Answer>,
     /// After every Again of the script, this many more (an EAGAIN storm).
     refused: usize,
+    /// Every post is refused (a queue that never drains).
+    refuse_all: bool,
     accepted: Vec<Accepted>,
     /// Completions the next accepted posts get as errors.
     fail_completions: usize,
@@ -105,6 +107,11 @@ impl FakePort {
         self.st().script.extend(answers.iter().copied());
     }
 
+    /// Every post is refused from now on (`true`), or answered by the script again.
+    pub fn refuse_all(&self, on: bool) {
+        self.st().refuse_all = on;
+    }
+
     /// Every scripted Again is followed by `n` more.
     pub fn storm(&self, n: usize) {
         self.st().refused = n;
@@ -147,6 +154,9 @@ impl FakePort {
 
     /// The answer to the next post.
     fn answer(s: &mut State) -> Answer {
+        if s.refuse_all {
+            return Answer::Again;
+        }
         let a = s.script.pop_front().unwrap_or(Answer::Accept);
         if a == Answer::Again {
             for _ in 0..std::mem::take(&mut s.refused) {

@@ -170,8 +170,9 @@ impl Fault {
     }
 }
 
-/// As the CQ hands out entries: completions up to the first error; an error alone.
-fn hand_out(ready: &mut VecDeque<Entry>, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+/// As the CQ hands out entries: completions up to the first error; an error alone. (The
+/// rail's stash of a rail thread's reads hands them out the same way.)
+pub(super) fn hand_out(ready: &mut VecDeque<Entry>, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
     let mut n = 0;
     while n < out.len() {
         match ready.front() {
