@@ -8,6 +8,7 @@ use super::conns::Conns;
 use super::core::Core;
 use super::counters::add;
 use super::ctrl::{CtrlChannel, CtrlOut};
+use super::contexts::AppliedContexts;
 use super::gpu::DeviceMem;
 use super::inbox::{Inbox, Submit};
 use super::ops::{OpKind, OpPool};
@@ -76,9 +77,8 @@ pub struct Driver {
     probe_now: bool,
     last_sweep: Instant,
     next_key: u64,
-    /// The captured contexts (copy of the engine's registry) and its version.
-    ctxs: Vec<crate::cuda::Context>,
-    ctx_version: u64,
+    /// The captured CUDA contexts this thread applies every pass (rule 4).
+    ctxs: AppliedContexts,
 }
 
 impl Driver {
@@ -116,8 +116,7 @@ impl Driver {
             probe_now: false,
             last_sweep: Instant::now(),
             next_key: 16,
-            ctxs: Vec::new(),
-            ctx_version: 0,
+            ctxs: AppliedContexts::default(),
             rails,
         };
         d.post_recvs()?;
@@ -170,7 +169,7 @@ impl Driver {
     /// nap, and a long one.
     pub fn pass(&mut self) -> Pass {
         add(&self.core.counters.progress_passes, 1);
-        self.apply_contexts();
+        self.ctxs.apply(&self.core);
         for mr in super::registry::CloseQueue::drain(&self.core.closeq) {
             drop(mr);
         }
@@ -204,28 +203,6 @@ impl Driver {
         self.active.retain(|r| matches!(r.state().phase, Phase::Data | Phase::Notif));
         let posted = self.core.counters.ops_posted.load(std::sync::atomic::Ordering::Relaxed) != posted0;
         Pass { did: took || got > 0 || posted, pending: busy || self.has_pending() }
-    }
-
-    /// Rule 4: before this pass touches the provider or device memory, the context
-    /// captured at VRAM registration is made current on this thread — every pass, since
-    /// the thread may have started before any VRAM existed, and user code on a
-    /// thread-off caller may have switched contexts since. Further contexts are applied
-    /// where their memory is touched (transports' device copies).
-    fn apply_contexts(&mut self) {
-        let v = self.core.gpu.version();
-        if v != self.ctx_version {
-            self.ctxs = self.core.gpu.contexts();
-            self.ctx_version = v;
-        }
-        if self.core.skip_ctx_apply {
-            return;
-        }
-        if let Some(c) = self.ctxs.first() {
-            match c.make_current() {
-                Ok(_) => add(&self.core.counters.cuda_ctx_applies, 1),
-                Err(e) => log::error!("{}: making the captured CUDA context current: {e}", self.core.name),
-            }
-        }
     }
 
     fn drain_inbox(&mut self) -> bool {
@@ -306,9 +283,7 @@ impl Driver {
                 self.poll_rail(r);
             }
         }
-        let inline = |k: &OpKind| matches!(k, OpKind::Transport(t) if t.inline && t.peer_id() == Some(peer_id));
-        for kind in self.ops.take_where(inline) {
-            let OpKind::Transport(t) = kind else { continue };
+        for t in self.ops.take_inline_for(peer_id) {
             if t.slot {
                 self.slots.give(t.rail as usize);
             }
@@ -519,21 +494,12 @@ impl Driver {
     /// A failed or cancelled request's operations still waiting in rail outboxes are never
     /// posted: once the request has ended its owner may release it and free the memory.
     fn unqueue_ops_of(&mut self, req: &Arc<Request>, st: &mut ReqState) {
-        for r in 0..self.rails.len() {
-            if !self.rails[r].has_queued() {
-                continue;
+        for t in self.ops.take_queued_of(&self.rails, req) {
+            if t.slot {
+                self.slots.give(t.rail as usize);
             }
-            let ops = &self.ops;
-            let taken = self.rails[r].take_queued_with(&|ctx| matches!(ops.kind_of(ctx), Some(OpKind::Transport(t)) if t.is_of(req)));
-            for ctx in taken {
-                if let Some(OpKind::Transport(t)) = self.ops.release(ctx) {
-                    if t.slot {
-                        self.slots.give(t.rail as usize);
-                    }
-                }
-                st.inflight_total = st.inflight_total.saturating_sub(1);
-                st.outstanding = st.outstanding.saturating_sub(1);
-            }
+            st.inflight_total = st.inflight_total.saturating_sub(1);
+            st.outstanding = st.outstanding.saturating_sub(1);
         }
     }
 

@@ -5,6 +5,7 @@
 //! names the modules: nothing below imports from it.
 mod cma;
 mod conns;
+mod contexts;
 mod core;
 mod counters;
 mod ctrl;

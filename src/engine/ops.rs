@@ -111,6 +111,30 @@ impl OpPool {
         out
     }
 
+    /// Frees the operations toward peer `peer_id` that shm's fast RMA finished inside the
+    /// post call (their completion is read, or will never come) and returns them.
+    pub fn take_inline_for(&mut self, peer_id: u64) -> Vec<TOp> {
+        let inline = |k: &OpKind| matches!(k, OpKind::Transport(t) if t.inline && t.peer_id() == Some(peer_id));
+        self.take_where(inline).into_iter().filter_map(|k| match k {
+            OpKind::Transport(t) => Some(t),
+            _ => None,
+        }).collect()
+    }
+
+    /// Takes `req`'s operations still waiting in rail outboxes back (never posted now) and
+    /// frees their slots.
+    pub fn take_queued_of(&mut self, rails: &[Arc<dyn super::port::Port>], req: &Arc<Request>) -> Vec<TOp> {
+        let mut out = Vec::new();
+        for rail in rails.iter().filter(|r| r.has_queued()) {
+            for ctx in rail.take_queued_with(&|ctx| matches!(self.kind_of(ctx), Some(OpKind::Transport(t)) if t.is_of(req))) {
+                if let Some(OpKind::Transport(t)) = self.release(ctx) {
+                    out.push(t);
+                }
+            }
+        }
+        out
+    }
+
     /// The slot `ctx` points at, if it is exactly one of ours.
     fn slot_of(&self, ctx: *mut c_void) -> Option<usize> {
         if ctx.is_null() {
