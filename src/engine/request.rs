@@ -266,6 +266,21 @@ impl Request {
         self.peer().map_or(0, |p| p.id)
     }
 
+    /// The end of the run of segments from `at` whose kind `same` accepts (transports start
+    /// runs of segments that share a target: a process, a context, an allocation).
+    pub fn run_end(&self, at: usize, same: impl Fn(&SegKind) -> bool) -> usize {
+        at + self.segs[at.min(self.segs.len())..].iter().take_while(|s| same(&s.kind)).count()
+    }
+
+    /// Err once the peer is known to be gone: a copy into a same-host peer's memory succeeds
+    /// even when the peer died meanwhile, and only its liveness tells nobody saw the bytes.
+    pub fn peer_alive(&self) -> Result<(), Error> {
+        match self.peer() {
+            Some(p) if !p.local.alive() => Err(Error::Disconnected(format!("agent '{}' exited", p.name))),
+            _ => Ok(()),
+        }
+    }
+
     pub fn peer_name(&self) -> &str {
         self.peer().map_or("", |p| p.name.as_str())
     }

@@ -84,8 +84,8 @@ impl Cma {
             copy(pid, write, p)?;
         }
         // As for pooled copies: a process that died meanwhile may have "taken" the bytes.
-        if let Some(p) = req.peer().filter(|p| pid != THIS_PROCESS && !p.local.alive()) {
-            return Err(Error::Disconnected(format!("agent '{}' exited", p.name)));
+        if pid != THIS_PROCESS {
+            req.peer_alive()?;
         }
         add(if write { &c.bytes_written } else { &c.bytes_read }, bytes);
         if pid != THIS_PROCESS {
@@ -110,10 +110,7 @@ impl Transport for Cma {
     fn start(&mut self, cx: &mut Cx, post: Post) -> Start {
         let Post { req, epoch, at, marks } = post;
         let Some(SegKind::Cma { pid }) = req.segs.get(at).map(|s| s.kind) else { return Start::went(0, 0) };
-        let mut end = at;
-        while matches!(req.segs.get(end).map(|s| s.kind), Some(SegKind::Cma { pid: p }) if p == pid) {
-            end += 1;
-        }
+        let end = req.run_end(at, |k| matches!(k, SegKind::Cma { pid: p } if *p == pid));
         // The peer must still be the process we connected to (its pidfd), also for a run
         // that starts passes after the request's first. Seen alive by the check after the
         // previous copy moments ago counts: one poll per small transfer instead of two (the
@@ -143,10 +140,7 @@ impl Transport for Cma {
             }
             // The copies into a process that died meanwhile may have "succeeded": only its
             // liveness tells that the bytes reached the peer we meant.
-            let res = t.batch.result().and_then(|_| match t.req.peer() {
-                Some(p) if !p.local.alive() => Err(Error::Disconnected(format!("agent '{}' exited", p.name))),
-                _ => Ok(()),
-            });
+            let res = t.batch.result().and_then(|_| t.req.peer_alive());
             if res.is_ok() && t.cma {
                 add(&cx.core.counters.cma_bytes, t.bytes);
             } else if let Err(e) = &res {

@@ -52,24 +52,12 @@ pub struct Direct {
     serves: CopyServes,
 }
 
-/// The copy's liveness check: a copy into a peer's memory succeeds even when the peer died
-/// meanwhile; only its liveness tells that nobody will see the bytes.
-fn peer_alive(req: &Request) -> Result<()> {
-    match req.peer() {
-        Some(p) if !p.local.alive() => Err(Error::Disconnected(format!("agent '{}' exited", p.name))),
-        _ => Ok(()),
-    }
-}
-
 impl Direct {
     /// Starts the run of Direct segments from `at` that share one context: host copies
     /// finish here; device copies are queued and tracked as one job. Returns the segments
     /// taken and the pieces outstanding.
     fn start_copies(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, at: usize, ctx: Option<cuda::Context>) -> Result<(usize, usize)> {
-        let mut end = at;
-        while matches!(req.segs.get(end).map(|s| s.kind), Some(SegKind::Direct { ctx: c, .. }) if c == ctx) {
-            end += 1;
-        }
+        let end = req.run_end(at, |k| matches!(k, SegKind::Direct { ctx: c, .. } if *c == ctx));
         let write = req.op == Op::Write;
         let (mut dev, mut copies) = (Vec::new(), Vec::with_capacity(end - at));
         for s in &req.segs[at..end] {
@@ -111,10 +99,7 @@ impl Direct {
         }).ok_or_else(|| Error::Backend("copy request for an allocation the request does not export".into()))?;
         let per_msg = cx.ctrl_room.saturating_sub(64 + ipc.encoded_len()) / 24;
         let per_msg = per_msg.clamp(1, wire::COPY_MAX_RANGES);
-        let mut end = at;
-        while matches!(req.segs.get(end).map(|s| s.kind), Some(SegKind::PeerCopy { alloc: a }) if a == alloc) {
-            end += 1;
-        }
+        let end = req.run_end(at, |k| matches!(k, SegKind::PeerCopy { alloc: a } if *a == alloc));
         let dest = cx.conns.ctrl_addr(peer.id)?;
         let to_receiver = req.op == Op::Write;
         let mut pieces = 0;
@@ -130,7 +115,7 @@ impl Direct {
     }
 
     fn finish(cx: &mut Cx, req: Arc<Request>, epoch: u64, bytes: u64, res: Result<()>) {
-        let res = res.and_then(|_| peer_alive(&req));
+        let res = res.and_then(|_| req.peer_alive());
         if res.is_ok() {
             add(&cx.core.counters.gpu_direct_bytes, bytes);
         }
