@@ -244,7 +244,7 @@ fn error_faults_fail_requests_and_later_ones_work() {
 #[test]
 fn failed_writes_deliver_no_notification() {
     let _one = serial();
-    for (name, t) in error_runs_of("post_fail=0.03,eagain=0.1,reorder=0.3", 13, 60, true) {
+    for (name, t) in error_runs_of("post_fail=0.06,eagain=0.1,reorder=0.3", 13, 60, true) {
         assert!(t.failed > 0, "{name}: no request was hit; raise the rates");
         assert!(t.notified_failures.is_empty(), "{name}: failed WRITEs whose notification arrived: rounds {:?}", t.notified_failures);
     }
