@@ -510,11 +510,16 @@ pub extern "C" fn nf_request_create(engine: *mut nf_engine, op: u32, local: *con
             return Err(Error::InvalidParam("request has no descriptors".into()));
         }
         let (l, r) = (guard::slice(local, count, "local descriptor list")?, guard::slice(remote, count, "remote descriptor list")?);
-        let mut pairs = Vec::with_capacity(count);
+        let op = match op {
+            0 => engine::Op::Read,
+            1 => engine::Op::Write,
+            x => return Err(Error::InvalidParam(format!("operation {x} is neither READ (0) nor WRITE (1)"))),
+        };
         // Descriptor lists name a few registrations in long runs: a handle is looked up in the
-        // registry when it differs from the previous descriptor's, not once per descriptor.
+        // registry when it differs from the previous descriptor's, not once per descriptor;
+        // pairs are read from the caller's lists as the engine needs them, not copied.
         let (mut last_l, mut last_r) = (None, None);
-        for (i, (a, b)) in l.iter().zip(r).enumerate() {
+        let pairs = l.iter().zip(r).enumerate().map(|(i, (a, b))| {
             let lm = same_or(&mut last_l, a.mem, || {
                 handle(a.mem as *const nf_mem, MEM_MAGIC, "local descriptor's mem")
                     .map_err(|_| Error::InvalidParam(format!("local descriptor {i} has no valid registration")))
@@ -523,14 +528,9 @@ pub extern "C" fn nf_request_create(engine: *mut nf_engine, op: u32, local: *con
                 handle(b.mem as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem")
                     .map_err(|_| Error::InvalidParam(format!("remote descriptor {i} has no valid target")))
             })?;
-            pairs.push(engine::Pair { local: (a.addr, a.len, &lm.mem), remote: (b.addr, b.len, &rm.rmem) });
-        }
-        let op = match op {
-            0 => engine::Op::Read,
-            1 => engine::Op::Write,
-            x => return Err(Error::InvalidParam(format!("operation {x} is neither READ (0) nor WRITE (1)"))),
-        };
-        let req = e.engine.prepare(op, &pairs, cstr(peer, "peer")?)?;
+            Ok(engine::Pair { local: (a.addr, a.len, &lm.mem), remote: (b.addr, b.len, &rm.rmem) })
+        });
+        let req = e.engine.prepare_from(op, count, pairs, cstr(peer, "peer")?)?;
         *o = registry::publish(Box::new(nf_request { req, release_refused: false }), REQ_MAGIC);
         ok()
     })

@@ -11,7 +11,7 @@ use super::peer::{Peer, RoutePair};
 use super::port::Port;
 use super::registry::{CloseQueue, LocalMem, MemKind, SharedCloseQueue};
 use super::remote::RemoteMem;
-use super::request::{dedup_arcs, Op, Phase, Request, Target};
+use super::request::{Op, Phase, Request, Target};
 use super::scheduler::{self, Pair, RailShape, Reach};
 use super::transport::{self, Transport};
 use super::wire::{self, ConnInfo, MemDesc, RailAddr};
@@ -449,6 +449,11 @@ impl Engine {
 
     /// Checks every pair and cuts it into segments (scheduler.rs), once; posts reuse them.
     pub fn prepare(&self, op: Op, pairs: &[Pair], peer_name: &str) -> Result<Arc<Request>> {
+        self.prepare_from(op, pairs.len(), pairs.iter().map(|p| Ok(*p)), peer_name)
+    }
+
+    /// `prepare` over `count` pairs read as they are needed (the C ABI's descriptor lists).
+    pub fn prepare_from<'a>(&self, op: Op, count: usize, pairs: impl Iterator<Item = Result<Pair<'a>>>, peer_name: &str) -> Result<Arc<Request>> {
         let target = if peer_name == self.core.name { Target::Local } else { Target::Peer(self.peer(peer_name)?) };
         if let Target::Peer(p) = &target {
             if p.is_disconnected() {
@@ -462,10 +467,8 @@ impl Engine {
             rr_base: self.rr.fetch_add(1, Ordering::Relaxed),
             rr_chunks: &self.rr_chunks,
         };
-        let plan = scheduler::plan(&inputs, &target, pairs, &Reached(&self.core))?;
-        let local = dedup_arcs(pairs.iter().map(|p| p.local.2));
-        let remote = dedup_arcs(pairs.iter().map(|p| p.remote.2));
-        Ok(Arc::new(Request::new(op, target, plan.segs, local, remote, plan.keeps)))
+        let plan = scheduler::plan(&inputs, &target, count, pairs, &Reached(&self.core))?;
+        Ok(Arc::new(Request::new(op, target, plan.segs, plan.locals, plan.remotes, plan.keeps)))
     }
 
     /// Posts a request without waiting for it. Returns IN_PROG, or SUCCESS/an error when

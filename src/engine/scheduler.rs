@@ -4,17 +4,19 @@
 //! shapes; what it needs to know about same-host memory (another engine's registration in
 //! this process, a peer's GPU allocation opened by IPC) it asks through `Reach`, so tests
 //! run it with none of that.
+use super::gpu::DeviceMem;
 use super::ipc_cache::{IpcEntry, Keep};
 use super::local_peers::Locality;
 use super::peer::{Peer, RoutePair};
 use super::registry::{LocalMem, MemKind};
 use super::remote::RemoteMem;
-use super::request::{Seg, SegKind, Target};
+use super::request::{seg_list, Route, Seg, SegKind, Target};
 use super::transport::cma::{POOL_MIN_BYTES, THIS_PROCESS};
 use super::wire::{IpcDesc, MemDesc};
 use crate::config::Config;
 use crate::cuda;
 use crate::error::{Error, Result};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// Largest IPC block a copy request carries (a VMM block of up to ~40 chunks); beyond it
@@ -22,6 +24,7 @@ use std::sync::{Arc, Mutex};
 const COPY_MAX_IPC_BYTES: usize = 1024;
 
 /// One descriptor pair of a request: (address, length, registration) on each side.
+#[derive(Clone, Copy)]
 pub struct Pair<'a> {
     pub local: (u64, u64, &'a Arc<LocalMem>),
     pub remote: (u64, u64, &'a Arc<RemoteMem>),
@@ -59,31 +62,75 @@ pub struct Inputs<'a> {
     pub rr_chunks: &'a std::sync::atomic::AtomicUsize,
 }
 
-/// The segments of a request and what its same-host segments keep alive.
+/// The segments of a request, what its same-host segments keep alive, and the distinct
+/// registrations its descriptors name (held while the request lives).
 pub struct Plan {
     pub segs: Vec<Seg>,
     pub keeps: Vec<Keep>,
+    pub locals: Vec<Arc<LocalMem>>,
+    pub remotes: Vec<Arc<RemoteMem>>,
 }
 
-/// Checks every pair and cuts it into segments, once; posts reuse them.
-pub fn plan(inp: &Inputs, target: &Target, pairs: &[Pair], reach: &dyn Reach) -> Result<Plan> {
-    if pairs.is_empty() {
+/// How every descriptor pair between one local and one remote registration moves. Decided
+/// once per registration pair: descriptor lists name a few registrations in long runs, so
+/// the per-descriptor work is a bounds check and an append (issue: 10k-100k descriptors).
+#[derive(Clone, Copy)]
+enum Way {
+    Loopback { local: Option<DeviceMem>, remote: Option<DeviceMem> },
+    /// Same-host copy of `kind`; remote addresses move by `shift` (an IPC mapping's offset
+    /// from the peer's address to ours, 0 where the address is usable as it is).
+    SameHost { kind: SegKind, shift: u64 },
+    Staged(Option<DeviceMem>),
+    Rma,
+}
+
+/// How each registration pair of a request moves, decided when the pair first appears; the
+/// previous descriptor's pair is checked first (descriptor lists run long on one pair).
+#[derive(Default)]
+struct Ways {
+    last: Option<(usize, usize, Way)>,
+    seen: HashMap<(usize, usize), Way>,
+    locals: Vec<Arc<LocalMem>>,
+    remotes: Vec<Arc<RemoteMem>>,
+}
+
+/// Checks every pair and cuts it into segments, once; posts reuse them. `pairs` yields
+/// `count` pairs, read from the caller's own lists as they are needed (a failed read is the
+/// request's error).
+pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterator<Item = Result<Pair<'a>>>,
+                reach: &dyn Reach) -> Result<Plan> {
+    if count == 0 {
         return Err(Error::InvalidParam("request has no descriptors".into()));
     }
-    let peer_name = match target {
-        Target::Peer(p) => p.name.as_str(),
-        Target::Local => "",
-    };
     let stripe = inp.cfg.striping_threshold.max(1);
-    let count = pairs.len();
-    let mut segs = Vec::with_capacity(count);
+    let mut segs = seg_list(count);
     let mut keeps: Vec<Keep> = Vec::new();
-    for (i, p) in pairs.iter().enumerate() {
-        let (la, ll, lm) = p.local;
-        let (ra, rl, rm) = p.remote;
-        if lm.engine_id != inp.engine_id {
-            return Err(Error::InvalidParam(format!("local descriptor {i} is registered with another engine")));
+    let mut ways = Ways::default();
+    for (i, p) in pairs.enumerate() {
+        let Pair { local: (la, ll, lm), remote: (ra, rl, rm) } = p?;
+        // Segments join only within one registration pair: a device copy must not span
+        // two allocations that merely happen to be adjacent.
+        let key = (Arc::as_ptr(lm) as usize, Arc::as_ptr(rm) as usize);
+        let join = matches!(ways.last, Some((l, r, _)) if (l, r) == key);
+        if !join {
+            let way = match ways.seen.get(&key) {
+                Some(w) => *w,
+                None => {
+                    let w = resolve(inp, reach, target, (lm, rm), i, &mut keeps)?;
+                    ways.seen.insert(key, w);
+                    if !ways.locals.iter().any(|x| Arc::ptr_eq(x, lm)) {
+                        ways.locals.push(lm.clone());
+                    }
+                    if !ways.remotes.iter().any(|x| Arc::ptr_eq(x, rm)) {
+                        ways.remotes.push(rm.clone());
+                    }
+                    w
+                }
+            };
+            ways.last = Some((key.0, key.1, way));
         }
+        let Some((_, _, way)) = &ways.last else { continue };
+        let add = |segs: &mut Vec<Seg>, s: Seg, max: u64| push(segs, s, max, join);
         if ll != rl {
             return Err(Error::InvalidParam(format!("descriptor {i}: local length {ll} != remote length {rl}")));
         }
@@ -95,40 +142,23 @@ pub fn plan(inp: &Inputs, target: &Target, pairs: &[Pair], reach: &dyn Reach) ->
         if ll == 0 {
             continue;
         }
-        match (target, &**rm) {
-            (Target::Local, RemoteMem::Local(m)) => {
-                if m.engine_id != inp.engine_id {
-                    return Err(Error::InvalidParam(format!("remote descriptor {i} is not ours")));
-                }
-                segs.push(Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::Loopback { local: lm.dev, remote: m.dev } });
+        match (way, target, &**rm) {
+            (Way::Loopback { local, remote }, _, _) => {
+                add(&mut segs, Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::Loopback { local: *local, remote: *remote } }, u64::MAX);
             }
-            (Target::Peer(peer), RemoteMem::Peer { peer: owner, desc, opened }) => {
-                if owner.id != peer.id {
-                    return Err(Error::InvalidParam(format!("remote descriptor {i} belongs to agent '{}', not '{peer_name}'", owner.name)));
-                }
-                let route = &peer.route;
-                if route.is_empty() || route.iter().any(|p| p.rrail as usize >= desc.keys.len()) {
-                    return Err(Error::InvalidParam(format!("no rail reaches agent '{peer_name}' for descriptor {i}")));
-                }
-                let same_host = cma_route(inp.cfg, peer, lm, desc).map(|kind| (ra, kind, Keep::Process))
-                    .or_else(|| direct_route(inp.cfg, reach, peer, (ll, lm), (ra, desc, opened)));
-                if let Some((raddr, kind, keep)) = same_host {
-                    segs.push(Seg { local: la, len: ll, raddr, rkey: 0, desc: 0, rail: 0, rrail: 0, kind });
-                    if !keeps.iter().any(|k| k.same(&keep)) {
-                        keeps.push(keep);
-                    }
-                    continue;
-                }
-                let lstaged = lm.dev.filter(|d| d.staged);
-                if lstaged.is_some() || desc.staged {
-                    staged_segs(inp, &mut segs, (la, ll, lm), (ra, desc), lstaged, route);
-                    continue;
-                }
+            (Way::SameHost { kind, shift }, _, _) => {
+                add(&mut segs, Seg { local: la, len: ll, raddr: ra.wrapping_add(*shift), rkey: 0, desc: 0, rail: 0, rrail: 0, kind: *kind }, u64::MAX);
+            }
+            (Way::Staged(lstaged), Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
+                staged_segs(inp, &mut segs, (la, ll, lm), (ra, desc), *lstaged, &peer.route);
+            }
+            (Way::Rma, Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
                 // Descriptors below the striping threshold go to the rails in contiguous
                 // runs (the first 1/n of them on one rail, the next on the next, starting
                 // where the previous request left off): consecutive segments on one rail
                 // ride in one RMA operation, and alternating rails per descriptor broke that
                 // (H200 host, tcp, 4096 x 4 KiB WRITE: 1.37 GB/s on one rail, 0.55 on two).
+                let route = &peer.route;
                 let n = route.len();
                 let pieces = if ll >= stripe && n > 1 { n as u64 } else { 1 };
                 let first = if pieces == 1 { (inp.rr_base + i * n / count) % n } else { 0 };
@@ -143,22 +173,81 @@ pub fn plan(inp: &Inputs, target: &Target, pairs: &[Pair], reach: &dyn Reach) ->
                     while off < pend {
                         let plen = (pend - off).min(max);
                         let raddr = if virt { ra + off } else { ra - desc.base + off };
-                        segs.push(Seg { local: la + off, len: plen, raddr, rkey: desc.keys[rrail], desc: lm.descs[rail], rail: rail as u16, rrail: rrail as u16, kind: SegKind::Rma });
+                        add(&mut segs, Seg { local: la + off, len: plen, raddr, rkey: desc.keys[rrail], desc: lm.descs[rail], rail: rail as u16, rrail: rrail as u16, kind: SegKind::Rma }, max);
                         off += plen;
                     }
                     j += 1;
                 }
             }
-            (Target::Local, RemoteMem::Peer { peer, .. }) => {
-                return Err(Error::InvalidParam(format!("loopback request, but remote descriptor {i} belongs to agent '{}'", peer.name)))
-            }
-            (Target::Peer(_), RemoteMem::Local(_)) => {
-                return Err(Error::InvalidParam(format!("remote descriptor {i} is our own memory, but the request targets agent '{peer_name}'")))
-            }
+            // resolve() gives Staged and Rma only for a peer's descriptor with a peer target.
+            _ => return Err(Error::InvalidParam(format!("descriptor {i} has no route"))),
         }
     }
     pool_same_process_copies(inp.cfg, &mut segs);
-    Ok(Plan { segs, keeps })
+    Ok(Plan { segs, keeps, locals: ways.locals, remotes: ways.remotes })
+}
+
+/// Appends a segment, or (`join`: the previous descriptor named the same registrations)
+/// extends the previous one when this one continues it on both sides on the same rail
+/// (adjacent KV blocks), up to `max` bytes: later per-segment work (ops, copy ranges, kernel
+/// parameters) then counts ranges, not descriptors.
+fn push(segs: &mut Vec<Seg>, s: Seg, max: u64, join: bool) {
+    if let (true, Some(last)) = (join, segs.last_mut()) {
+        if last.local.wrapping_add(last.len) == s.local && last.raddr.wrapping_add(last.len) == s.raddr
+            && last.rail == s.rail && last.rrail == s.rrail && last.len.saturating_add(s.len) <= max
+            && last.kind.route() != Route::Staging {
+            last.len += s.len;
+            return;
+        }
+    }
+    segs.push(s);
+}
+
+/// Checks one registration pair against the request's target and decides how its
+/// descriptors move; what a same-host way keeps alive is added to `keeps` once.
+fn resolve(inp: &Inputs, reach: &dyn Reach, target: &Target, mems: (&Arc<LocalMem>, &Arc<RemoteMem>), i: usize,
+           keeps: &mut Vec<Keep>) -> Result<Way> {
+    let (lm, rm) = mems;
+    if lm.engine_id != inp.engine_id {
+        return Err(Error::InvalidParam(format!("local descriptor {i} is registered with another engine")));
+    }
+    let peer_name = match target {
+        Target::Peer(p) => p.name.as_str(),
+        Target::Local => "",
+    };
+    match (target, &**rm) {
+        (Target::Local, RemoteMem::Local(m)) => {
+            if m.engine_id != inp.engine_id {
+                return Err(Error::InvalidParam(format!("remote descriptor {i} is not ours")));
+            }
+            Ok(Way::Loopback { local: lm.dev, remote: m.dev })
+        }
+        (Target::Peer(peer), RemoteMem::Peer { peer: owner, desc, opened }) => {
+            if owner.id != peer.id {
+                return Err(Error::InvalidParam(format!("remote descriptor {i} belongs to agent '{}', not '{peer_name}'", owner.name)));
+            }
+            let route = &peer.route;
+            if route.is_empty() || route.iter().any(|p| p.rrail as usize >= desc.keys.len()) {
+                return Err(Error::InvalidParam(format!("no rail reaches agent '{peer_name}' for descriptor {i}")));
+            }
+            let same_host = cma_route(inp.cfg, peer, lm, desc).map(|kind| (0, kind, Keep::Process))
+                .or_else(|| direct_route(inp.cfg, reach, peer, lm, (desc, opened)));
+            if let Some((shift, kind, keep)) = same_host {
+                if !keeps.iter().any(|k| k.same(&keep)) {
+                    keeps.push(keep);
+                }
+                return Ok(Way::SameHost { kind, shift });
+            }
+            let lstaged = lm.dev.filter(|d| d.staged);
+            Ok(if lstaged.is_some() || desc.staged { Way::Staged(lstaged) } else { Way::Rma })
+        }
+        (Target::Local, RemoteMem::Peer { peer, .. }) => {
+            Err(Error::InvalidParam(format!("loopback request, but remote descriptor {i} belongs to agent '{}'", peer.name)))
+        }
+        (Target::Peer(_), RemoteMem::Local(_)) => {
+            Err(Error::InvalidParam(format!("remote descriptor {i} is our own memory, but the request targets agent '{peer_name}'")))
+        }
+    }
 }
 
 /// Host-to-host copies between engines of this process: a large request goes over the CMA
@@ -187,12 +276,11 @@ fn cma_route(cfg: &Config, peer: &Peer, local: &LocalMem, desc: &MemDesc) -> Opt
     }
 }
 
-/// The direct route for one descriptor pair, if there is one: the segment's remote address
-/// and kind, and what the request must keep. The pair was bounds-checked already.
-fn direct_route(cfg: &Config, reach: &dyn Reach, peer: &Peer, local: (u64, &LocalMem),
-                remote: (u64, &MemDesc, &Mutex<Vec<Arc<IpcEntry>>>)) -> Option<(u64, SegKind, Keep)> {
-    let (ll, lm) = local;
-    let (ra, desc, opened) = remote;
+/// The direct route between our registration and a peer's, if there is one: how remote
+/// addresses shift to this process's, the segments' kind, and what the request must keep.
+fn direct_route(cfg: &Config, reach: &dyn Reach, peer: &Peer, lm: &LocalMem,
+                remote: (&MemDesc, &Mutex<Vec<Arc<IpcEntry>>>)) -> Option<(u64, SegKind, Keep)> {
+    let (desc, opened) = remote;
     let pin = |m: &LocalMem, ctx: Option<cuda::Context>| {
         if let (Some(c), true) = (ctx, cfg.pin_host_memory) {
             reach.pin(m, &c);
@@ -201,13 +289,15 @@ fn direct_route(cfg: &Config, reach: &dyn Reach, peer: &Peer, local: (u64, &Loca
     let ipc_on = cfg.gpu_ipc && cfg.same_host_shm;
     match &peer.local {
         Locality::SameProcess(_) if cfg.same_host_shm => {
+            // The peer engine's registration that the descriptor names, as a whole: every
+            // descriptor of it is then addressable here as it is.
             let kind = MemKind::from_raw(desc.mem_type as u32).ok()?;
-            let rm = reach.same_process(peer, ra, ll, kind)?;
+            let rm = reach.same_process(peer, desc.base, desc.len, kind)?;
             let ctx = lm.dev.map(|d| d.ctx).or(rm.dev.map(|d| d.ctx));
             pin(lm, ctx);
             pin(&rm, ctx);
             let dev = lm.dev.is_some() && rm.dev.is_some();
-            Some((ra, SegKind::Direct { ctx, dev }, Keep::Local(Arc::downgrade(&rm))))
+            Some((0, SegKind::Direct { ctx, dev }, Keep::Local(Arc::downgrade(&rm))))
         }
         Locality::SameHost(_) if ipc_on => {
             if let Some(ipc) = desc.ipc.as_ref() {
@@ -218,16 +308,16 @@ fn direct_route(cfg: &Config, reach: &dyn Reach, peer: &Peer, local: (u64, &Loca
                 }
                 drop(held);
                 pin(lm, Some(e.ctx));
-                let mapped = e.base + (ra - e.remote_base);
+                let shift = e.base.wrapping_sub(e.remote_base);
                 let dev = lm.dev.is_some();
-                return Some((mapped, SegKind::Direct { ctx: Some(e.ctx), dev }, Keep::Ipc(e)));
+                return Some((shift, SegKind::Direct { ctx: Some(e.ctx), dev }, Keep::Ipc(e)));
             }
             // Our GPU memory with the peer's host memory: the peer copies, since only it can
             // address its host memory; it opens our allocation from the handle we send.
             // (A VMM block with many chunks would not fit a control message: staged.)
             let own = lm.ipc.as_ref().filter(|i| desc.mem_type == 0 && !reach.peer_copy_refused(peer.info.engine_id)
                 && i.encoded_len() <= COPY_MAX_IPC_BYTES)?;
-            Some((ra, SegKind::PeerCopy { alloc: own.alloc_base }, Keep::Export(own.clone())))
+            Some((0, SegKind::PeerCopy { alloc: own.alloc_base }, Keep::Export(own.clone())))
         }
         _ => None,
     }
@@ -235,7 +325,7 @@ fn direct_route(cfg: &Config, reach: &dyn Reach, peer: &Peer, local: (u64, &Loca
 
 /// Cuts a pair with staged device memory on either side into staging chunks.
 fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, local: (u64, u64, &Arc<LocalMem>), remote: (u64, &MemDesc),
-               lstaged: Option<super::gpu::DeviceMem>, route: &[RoutePair]) {
+               lstaged: Option<DeviceMem>, route: &[RoutePair]) {
     let (la, ll, lm) = local;
     let (ra, desc) = remote;
     let chunk = inp.cfg.staging_chunk_size.max(1);
@@ -315,7 +405,7 @@ mod tests {
     fn run(cfg: &Config, rails: usize, target: &Target, pairs: &[Pair], reach: &dyn Reach) -> Result<Plan> {
         let sh = shapes(rails);
         let rr = AtomicUsize::new(0);
-        plan(&Inputs { engine_id: ME, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr }, target, pairs, reach)
+        plan(&Inputs { engine_id: ME, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr }, target, pairs.len(), pairs.iter().map(|p| Ok(*p)), reach)
     }
 
     #[test]
@@ -334,9 +424,40 @@ mod tests {
         assert!(plan.segs.iter().all(|s| matches!(s.kind, SegKind::Rma) && s.rkey == 100 + s.rrail as u64));
         assert_eq!(plan.segs[2].local, 0x10_0000 + (2 << 20));
         assert_eq!(plan.segs[2].raddr, 0x900_0000 + (2 << 20));
-        let small: Vec<Pair> = (0..8u64).map(|i| Pair { local: (0x10_0000 + i * 4096, 4096, &l), remote: (0x900_0000 + i * 4096, 4096, &r) }).collect();
+        // Reversed on the remote side, so that no two descriptors continue each other.
+        let small: Vec<Pair> = (0..8u64).map(|i| Pair { local: (0x10_0000 + i * 4096, 4096, &l), remote: (0x900_0000 + (7 - i) * 4096, 4096, &r) }).collect();
         let plan = run(&cfg, 2, &Target::Peer(p), &small, &Nothing(None)).unwrap();
         assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 0, 0, 0, 1, 1, 1, 1]);
+    }
+
+    #[test]
+    fn adjacent_blocks_of_one_registration_pair_join_into_one_range_per_rail() {
+        let mut cfg = Config::defaults();
+        cfg.striping_threshold = 1 << 20;
+        let p = peer(1, 1, Locality::Remote, false);
+        let p2 = peer(2, 2, Locality::Remote, false);
+        let l = mem(ME, 0x10_0000, 64 << 20, 2);
+        let r = remote(&p, 0x900_0000, 64 << 20, 1);
+        let rr = remote(&p2, 0x900_0000, 64 << 20, 2);
+        // 8 adjacent blocks, then a gap on the remote side, then 2 more adjacent ones.
+        let mut pairs: Vec<Pair> = (0..8u64).map(|i| Pair { local: (0x10_0000 + i * 4096, 4096, &l), remote: (0x900_0000 + i * 4096, 4096, &r) }).collect();
+        pairs.extend((8..10u64).map(|i| Pair { local: (0x10_0000 + i * 4096, 4096, &l), remote: (0x900_0000 + (i + 1) * 4096, 4096, &r) }));
+        let plan = run(&cfg, 1, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
+        assert_eq!(plan.segs.iter().map(|s| (s.local, s.len, s.raddr)).collect::<Vec<_>>(),
+                   vec![(0x10_0000, 8 * 4096, 0x900_0000), (0x10_0000 + 8 * 4096, 2 * 4096, 0x900_0000 + 9 * 4096)]);
+        // Over two rails each rail's run is one range; never past the provider's message limit.
+        let two: Vec<Pair> = (0..8u64).map(|i| Pair { local: (0x10_0000 + i * 4096, 4096, &l), remote: (0x900_0000 + i * 4096, 4096, &rr) }).collect();
+        let plan = run(&cfg, 2, &Target::Peer(p2), &two, &Nothing(None)).unwrap();
+        assert_eq!(plan.segs.iter().map(|s| (s.rail, s.len)).collect::<Vec<_>>(), vec![(0, 4 * 4096), (1, 4 * 4096)]);
+        let many: Vec<Pair> = (0..512u64).map(|i| Pair { local: (0x10_0000 + i * 4096, 4096, &l), remote: (0x900_0000 + i * 4096, 4096, &r) }).collect();
+        let plan = run(&cfg, 1, &Target::Peer(p.clone()), &many, &Nothing(None)).unwrap();
+        assert_eq!(plan.segs.iter().map(|s| s.len).collect::<Vec<_>>(), vec![1 << 20, 1 << 20], "cut at max_msg (1 MiB here)");
+        // Two registrations that happen to be adjacent stay two ranges.
+        let l2 = mem(ME, 0x10_0000 + (64 << 20), 1 << 20, 2);
+        let r2 = remote(&p, 0x900_0000 + (64 << 20), 1 << 20, 1);
+        let edge = [Pair { local: (0x10_0000 + (64 << 20) - 4096, 4096, &l), remote: (0x900_0000 + (64 << 20) - 4096, 4096, &r) },
+                    Pair { local: (0x10_0000 + (64 << 20), 4096, &l2), remote: (0x900_0000 + (64 << 20), 4096, &r2) }];
+        assert_eq!(run(&cfg, 1, &Target::Peer(p), &edge, &Nothing(None)).unwrap().segs.len(), 2);
     }
 
     #[test]
