@@ -155,6 +155,14 @@ CONFIGS = {
     "ucx-1p": {"backend": "UCX", "kind": "stock", "limit": "memcpy", "one_process": True,
                "env": {"NIXL_PLUGIN_DIR": None, "UCX_LOG_LEVEL": "info"},
                "title": "UCX 1proc", "short": "UCX1p"},
+    # Progress threads off (the C++ API's default), as the two above.
+    "ours-dflt-np": {"backend": "LIBFABRIC", "kind": "ours", "limit": "memcpy",
+                     "env": {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "tcp",
+                             "NIXL_FABRIC_SAME_HOST_SHM": None, "BENCH_PROG_THREAD": "0"},
+                     "title": "nf default, no progress thread", "short": "dfltNP"},
+    "ucx-np": {"backend": "UCX", "kind": "stock", "limit": "memcpy",
+               "env": {"NIXL_PLUGIN_DIR": None, "UCX_LOG_LEVEL": "info", "BENCH_PROG_THREAD": "0"},
+               "title": "stock UCX, no progress thread", "short": "UCXnp"},
     # NIXL_PLUGIN_DIR unset: LIBFABRIC is the wheel's own plugin.
     "stock-libfabric": {"backend": "LIBFABRIC", "kind": "stock", "limit": "tcp:1",
                         "env": {"NIXL_PLUGIN_DIR": None},
@@ -163,7 +171,7 @@ CONFIGS = {
 GROUPS = {
     "default": ["ours-tcp", "ours-shm", "ours-tcp-default", "ucx", "stock-libfabric"],
     # most important first: --budget skips from the end
-    "dram": ["ours-tcp", "ucx-tcp", "ours-tcp-default", "ucx", "ours-1p", "ucx-1p",
+    "dram": ["ours-tcp", "ucx-tcp", "ours-tcp-default", "ucx", "ours-1p", "ucx-1p", "ours-dflt-np", "ucx-np",
              "ours-tcp-r2", "ours-tcp-r4", "ours-tcp-r8", "ours-shm", "stock-libfabric"],
     "all": list(CONFIGS),
 }
@@ -174,7 +182,7 @@ STOCK = tuple(k for k, v in CONFIGS.items() if v["kind"] == "stock")
 # Ratio columns: (numerator, denominator); a denominator "tcp:N" is raw TCP with N streams.
 RATIOS = ([(f"ours-tcp{'' if k == 1 else f'-r{k}'}", "ucx-tcp") for k in STREAMS]
           + [(f"ours-tcp{'' if k == 1 else f'-r{k}'}", f"tcp:{k}") for k in STREAMS]
-          + [("ours-tcp-default", "ucx"), ("ours-1p", "ucx-1p"), ("ours-shm", "ucx"),
+          + [("ours-tcp-default", "ucx"), ("ours-dflt-np", "ucx-np"), ("ours-1p", "ucx-1p"), ("ours-shm", "ucx"),
              ("ours-tcp", "stock-libfabric")])
 
 
@@ -246,7 +254,10 @@ def make_agent(name, backend):
     api = __import__(f"{pick_module()}._api", fromlist=["nixl_agent", "nixl_agent_config"])
     # No backend in the config (the constructor would only warn about a missing plugin);
     # create_backend raises when the plugin cannot be loaded or created.
-    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=[]))
+    # BENCH_PROG_THREAD=0: the C++ API's default (no agent progress thread; the backend
+    # is told enableProgTh=false, so ours runs no progress thread and progresses in checks).
+    prog = os.environ.get("BENCH_PROG_THREAD", "1") != "0"
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=prog, backends=[]))
     params = json.loads(os.environ.get("BENCH_BACKEND_PARAMS") or "{}")
     agent.create_backend(backend, params)
     return agent

@@ -1287,6 +1287,10 @@ static void ipc_unload(void) {
         check(closed && c.closes == c.opens && c.opens > 0, "after the unload gpu_ipc_closes %" PRIu64 " == gpu_ipc_opens %" PRIu64, c.closes, c.opens);
         /* Loaded again: a fresh open (the old mapping is gone, so the driver accepts it). */
         if (check_st(nf_rmem_load(x.e, "t", x.t.pd[0], x.t.pd_len[0], &x.rm[0]), NF_SUCCESS, "load the VRAM descriptor again")) {
+            /* Our VRAM was registered before the load: the allocation is opened by the load
+             * itself, so the first request does not pay for the open. */
+            c = gpuc(x.e);
+            check(c.opens == 2, "the reload opened the target's allocation before any request (gpu_ipc_opens %" PRIu64 ", want 2)", c.opens);
             if (ipc_xfer_check(&x, NF_OP_WRITE, &l, 0, 0, 0, len, "WRITE after reloading the descriptor", &d)) {
                 c = gpuc(x.e);
                 check(d == len && c.opens == 2, "after the reload: gpu_direct_bytes +%" PRIu64 " (want %zu), gpu_ipc_opens %" PRIu64 " (want 2)", d, len,

@@ -243,7 +243,9 @@ impl Driver {
                     return self.complete(&req, &mut st, Err(e));
                 }
             }
-            self.kick(peer.id);
+            if req.on_rails {
+                self.kick(peer.id);
+            }
         }
         st.phase = Phase::Data;
         st.last_progress = Instant::now();

@@ -437,7 +437,29 @@ impl Engine {
                 "memory descriptor has {} rail keys, agent '{name}' has {} rails", desc.keys.len(), peer.info.rails.len()
             )));
         }
-        Ok(Arc::new(RemoteMem::Peer { peer, desc, opened: Mutex::new(Vec::new()) }))
+        let opened = Mutex::new(self.open_ahead(&peer, &desc));
+        Ok(Arc::new(RemoteMem::Peer { peer, desc, opened }))
+    }
+
+    /// A same-host peer's GPU allocation is opened by IPC when its descriptor is loaded, under
+    /// each context our own device memory was registered in, so that the first request with
+    /// it does not pay for the opens (a few ms each; a KV cache is tens of registrations).
+    /// Memory of ours registered later, or host memory, opens at the first request instead.
+    fn open_ahead(&self, peer: &Peer, desc: &MemDesc) -> Vec<Arc<IpcEntry>> {
+        let cfg = &self.core.cfg;
+        let (Some(ipc), true) = (desc.ipc.as_ref(), cfg.gpu_ipc && cfg.same_host_shm) else { return Vec::new() };
+        if !matches!(peer.local, local_peers::Locality::SameHost(_)) {
+            return Vec::new();
+        }
+        let mut opened: Vec<Arc<IpcEntry>> = Vec::new();
+        for ctx in self.core.gpu.registered_contexts() {
+            if let Some(e) = self.core.ipc.open(peer.info.engine_id, &peer.name, ipc, Some(ctx)) {
+                if !opened.iter().any(|x| Arc::ptr_eq(x, &e)) {
+                    opened.push(e);
+                }
+            }
+        }
+        opened
     }
 
     pub fn self_target(&self, mem: &Arc<LocalMem>) -> Result<Arc<RemoteMem>> {

@@ -221,6 +221,19 @@ impl GpuRegistry {
         self.contexts.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(c, _)| *c).collect()
     }
 
+    /// The distinct contexts of our live device registrations (not those of peers'
+    /// allocations opened here).
+    pub fn registered_contexts(&self) -> Vec<cuda::Context> {
+        let r = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<cuda::Context> = Vec::new();
+        for ctx in r.values().filter_map(Weak::upgrade).filter_map(|m| m.dev.map(|d| d.ctx)) {
+            if !out.contains(&ctx) {
+                out.push(ctx);
+            }
+        }
+        out
+    }
+
     /// The live device registration holding all of `[addr, addr+len)`, if any.
     pub fn find(&self, addr: u64, len: u64) -> Option<Arc<LocalMem>> {
         let r = self.regions.lock().unwrap_or_else(|p| p.into_inner());

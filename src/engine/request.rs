@@ -142,6 +142,9 @@ pub struct Request {
     pub target: Target,
     pub segs: Vec<Seg>,
     pub bytes: u64,
+    /// Some segment moves over a rail (RMA or staging): the peer's progress matters, so a
+    /// post reminds it (driver's kick). Same-host copies need nothing of the peer.
+    pub on_rails: bool,
     status: AtomicI32,
     st: Mutex<ReqState>,
     _local: Vec<Arc<LocalMem>>,
@@ -265,11 +268,13 @@ impl ReqState {
 impl Request {
     pub fn new(op: Op, target: Target, segs: Vec<Seg>, local: Vec<Arc<LocalMem>>, remote: Vec<Arc<RemoteMem>>, keeps: Vec<Keep>) -> Request {
         let bytes = segs.iter().map(|s| s.len).sum();
+        let on_rails = segs.iter().any(|s| matches!(s.kind.route(), Route::Rma | Route::Staging));
         Request {
             op,
             target,
             segs,
             bytes,
+            on_rails,
             status: AtomicI32::new(Status::NF_SUCCESS.code()),
             st: Mutex::new(ReqState {
                 epoch: 0,

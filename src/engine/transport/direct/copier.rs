@@ -57,6 +57,30 @@ impl Copier {
         Ok(())
     }
 
+    /// Makes `ctx`'s streams and, where enabled, loads its gather kernel now.
+    pub fn warm(&mut self, core: &Core, ctx: cuda::Context) -> Result<()> {
+        self.ensure_streams(ctx)?;
+        if core.cfg.gpu_copy_kernel {
+            self.kernel(core, ctx);
+        }
+        Ok(())
+    }
+
+    /// The gather kernel of `ctx`, loaded on first use (None: it cannot run there; not tried
+    /// again).
+    fn kernel(&mut self, core: &Core, ctx: cuda::Context) -> Option<&cuda::CopyKernel> {
+        self.kernels.entry(ctx.id()).or_insert_with(|| match cuda::CopyKernel::load(&ctx) {
+            Ok(k) => {
+                log::info!("{}: direct GPU copies of many device ranges: one gather-kernel launch per {} ranges", core.name, k.ranges_per_launch());
+                Some(k)
+            }
+            Err(e) => {
+                log::info!("{}: the gather-copy kernel cannot run here ({e}); device ranges go to the copy engines", core.name);
+                None
+            }
+        }).as_ref()
+    }
+
     /// Queues copies on `ctx`'s streams (the context is current): `dev` (device memory at
     /// both ends) as gather-kernel launches where there are several ranges of at most
     /// KERNEL_MAX_RANGE; the rest in one batch call where the driver has it, else one copy
@@ -139,19 +163,7 @@ impl Copier {
         if copies.is_empty() {
             return Ok(Some(Vec::new()));
         }
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.kernels.entry(ctx.id()) {
-            let k = match cuda::CopyKernel::load(&ctx) {
-                Ok(k) => {
-                    log::info!("{}: direct GPU copies of many device ranges: one gather-kernel launch per {} ranges", core.name, k.ranges_per_launch());
-                    Some(k)
-                }
-                Err(e) => {
-                    log::info!("{}: the gather-copy kernel cannot run here ({e}); device ranges go to the copy engines", core.name);
-                    None
-                }
-            };
-            slot.insert(k);
-        }
+        self.kernel(core, ctx);
         let (Some(Some(k)), Some(streams)) = (self.kernels.get(&ctx.id()), self.streams.get(&ctx.id())) else {
             return Ok(None);
         };

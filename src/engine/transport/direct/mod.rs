@@ -171,6 +171,20 @@ impl Transport for Direct {
         Start::went(i - at, pieces)
     }
 
+    /// The streams and the gather kernel (a PTX JIT of tens of milliseconds) of a context are
+    /// made when its first memory is registered, not by the first transfer (issue: the first
+    /// request as fast as the rest).
+    fn prepare(&mut self, cx: &mut Cx, dev: &crate::engine::gpu::DeviceMem) -> Result<()> {
+        if !cx.core.cfg.same_host_shm {
+            return Ok(());
+        }
+        if let Err(e) = self.copier.warm(cx.core, dev.ctx) {
+            // Not fatal: the first copy tries again and reports what fails then.
+            log::debug!("{}: direct copies not prepared for a new context: {e}", cx.core.name);
+        }
+        Ok(())
+    }
+
     fn on_control(&mut self, cx: &mut Cx, msg: &Ctrl<'_>) -> bool {
         match msg.kind {
             CtrlType::Copy => match CopyReq::decode(msg.payload) {
