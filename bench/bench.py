@@ -309,6 +309,23 @@ def role_idle(backend, policy):
     return finish(backend, 0)
 
 
+def target_lines(agent, fin):
+    """The command lines from fin. With progress threads off (BENCH_PROG_THREAD=0) nothing
+    progresses the target unless it calls into the agent, as a C++ application waiting for
+    notifications does: it polls get_new_notifs() until a command arrives."""
+    if os.environ.get("BENCH_PROG_THREAD", "1") != "0":
+        yield from fin
+        return
+    import select
+    while True:
+        while not select.select([fin], [], [], 0)[0]:
+            agent.get_new_notifs()
+        line = fin.readline()
+        if not line:
+            return
+        yield line
+
+
 def serve_target(backend, fin, fout):
     """The target's side: an agent with one registered SPAN, driven by commands read from
     fin; replies (tagged lines) go to fout. A process (stdin/stdout) or a thread (pipes)."""
@@ -321,7 +338,7 @@ def serve_target(backend, fin, fout):
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     src = np.random.default_rng(2).integers(0, 256, SPAN + 4 * KiB, dtype=np.uint8)
     emit(f"META {agent.get_agent_metadata().hex()} {buf.ctypes.data}")
-    for line in fin:  # EOF (initiator gone) ends the target too
+    for line in target_lines(agent, fin):  # EOF (initiator gone) ends the target too
         cmd = line.split()
         if not cmd:
             continue
