@@ -89,6 +89,10 @@ typedef struct {
   // Bytes moved by cross-memory attach between this process and a same-host peer
   // process's host memory (cma_copy), with no rail.
   uint64_t cma_bytes;
+  // Stage requests (one per packed staging chunk) this engine sent to owners of remote
+  // GPU memory, and those it served for peers.
+  uint64_t stage_requests;
+  uint64_t stage_served;
 } nf_counters;
 
 // Per-rail counters.

@@ -81,10 +81,14 @@ tunables! {
         "host memory of a same-host peer process that this process may access (cross-memory attach; needs same_host_shm) is written and read directly with process_vm_writev/readv, many descriptors per call and large requests split over copy threads, instead of through the shm rail; also spreads host-to-host copies of 2 MiB and more between engines of one process over the copy threads";
     cma_threads: u64 = U64, "0", "NIXL_FABRIC_CMA_THREADS",
         "copy threads per engine for cma_copy and large same-process host copies (started at first use); 0 = half the cores this process may run on, at most 7";
-    staging_buffer_size: u64 = Size, "67108864", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
-        "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM)";
-    staging_chunk_size: u64 = Size, "2097152", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
-        "size of one staging chunk (device copy and network overlap chunk by chunk)";
+    staging_buffer_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
+        "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM); 0 = sized from the rails: staging_depth chunks in flight on every rail for our requests and as many for serving peers' (at most 512 MiB)";
+    staging_chunk_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
+        "size of one staging chunk: many small GPU blocks are packed into one chunk by one gather launch, moved as one RMA and unpacked by one scatter launch; 0 = the bandwidth-delay product of one rail (its provider's bandwidth over about 400 us, 1 MiB over tcp, 4 MiB over verbs/efa)";
+    staging_depth: u64 = U64, "4", "NIXL_FABRIC_STAGING_DEPTH",
+        "staging chunks in flight per rail (the device copy of one overlaps the wire of the one before and the device copy at the far end of the one before that); sizes the automatic staging pool";
+    staging_ranges: u64 = U64, "1024", "NIXL_FABRIC_STAGING_RANGES",
+        "most GPU blocks packed into one staging chunk (its stage request carries 24 bytes per block and must fit a control message; also capped by the gather kernel's ranges per launch)";
     fault_inject: String = Str, "", "NIXL_FABRIC_FAULT_INJECT",
         "tests only: provider faults injected at every rail, e.g. `eagain=0.3,eagain_burst=8,reorder=0.5,delay=4,cq_error=0.001,post_fail=0.001,seed=7` (FI_EAGAIN on posts, failed posts, error completions, late and reordered completions; see Fault injection); empty = off";
 }
@@ -197,6 +201,8 @@ impl Config {
             cma_threads: 0,
             staging_buffer_size: 0,
             staging_chunk_size: 0,
+            staging_depth: 0,
+            staging_ranges: 0,
             fault_inject: String::new(),
         }
     }
@@ -235,6 +241,32 @@ impl Config {
         std::time::Duration::from_millis(self.timeout_ms.max(1))
     }
 
+    /// Bytes of one staging chunk over `rails` rails of `provider`: the configured size, or
+    /// one rail's bandwidth-delay product (its provider's bandwidth over about 400 us: a
+    /// chunk long enough that the control round trip and device copies around it stay a
+    /// small part of its time on the wire), a power of two in 256 KiB ..= 8 MiB.
+    pub fn staging_chunk(&self, provider: &str) -> u64 {
+        if self.staging_chunk_size != 0 {
+            return self.staging_chunk_size;
+        }
+        // Bytes per microsecond one connection of the provider moves (measured: one tcp
+        // stream ~2.4 GB/s on the H200 host; verbs/efa links 12-25 GB/s).
+        let per_us: u64 = if ["verbs", "efa", "cxi", "opx", "psm3"].iter().any(|p| provider.contains(p)) { 12_500 } else { 2_500 };
+        let bdp = per_us * 400;
+        let up = bdp.next_power_of_two();
+        let nearest = if up - bdp > bdp - up / 2 { up / 2 } else { up };
+        nearest.clamp(256 << 10, 8 << 20)
+    }
+
+    /// Bytes of the staging pool: the configured size, or `staging_depth` chunks in flight
+    /// on every rail for our requests and as many for peers' (at most 512 MiB).
+    pub fn staging_pool(&self, rails: usize, chunk: u64) -> u64 {
+        if self.staging_buffer_size != 0 {
+            return self.staging_buffer_size.max(2 * chunk);
+        }
+        (2 * self.staging_depth.max(1) * rails.max(1) as u64 * chunk).clamp(4 * chunk, (512 << 20).max(4 * chunk))
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.max_notif_size == 0 || self.max_notif_size > (16 << 20) {
             return Err(Error::InvalidParam("max_notif_size must be 1 B .. 16 MiB".into()));
@@ -245,8 +277,17 @@ impl Config {
         if self.max_inflight == 0 {
             return Err(Error::InvalidParam("max_inflight must be at least 1".into()));
         }
-        if self.staging_chunk_size < 4096 || self.staging_buffer_size < 2 * self.staging_chunk_size {
-            return Err(Error::InvalidParam("staging_buffer_size must hold at least two staging_chunk_size (>= 4 KiB) chunks".into()));
+        if self.staging_chunk_size != 0 && self.staging_chunk_size < 4096 {
+            return Err(Error::InvalidParam("staging_chunk_size must be 0 (automatic) or at least 4 KiB".into()));
+        }
+        if self.staging_buffer_size != 0 && self.staging_buffer_size < 2 * self.staging_chunk_size.max(4096) {
+            return Err(Error::InvalidParam("staging_buffer_size must be 0 (automatic) or hold at least two staging_chunk_size chunks".into()));
+        }
+        if self.staging_depth == 0 || self.staging_depth > 64 {
+            return Err(Error::InvalidParam("staging_depth must be 1 .. 64".into()));
+        }
+        if self.staging_ranges == 0 || self.staging_ranges > crate::engine::wire::STAGE_MAX_RANGES as u64 {
+            return Err(Error::InvalidParam(format!("staging_ranges must be 1 .. {}", crate::engine::wire::STAGE_MAX_RANGES)));
         }
         if self.rails > 64 {
             return Err(Error::InvalidParam("rails must be at most 64".into()));

@@ -306,8 +306,9 @@ fn generate() -> BTreeMap<&'static str, Vec<(String, Vec<u8>)>> {
 
     // Control messages (and their payloads).
     let mut v = Vec::new();
-    let stage_pull = Stage { token: 1, dir: StageDir::Pull, dev_addr: 0x7000_0000, len: 2 << 20, peer_addr: 0, peer_key: 0x1000 }.encode();
-    let stage_push = Stage { token: u64::MAX, dir: StageDir::Push, dev_addr: 0, len: 4096, peer_addr: 0x7f00_0000_0000, peer_key: 7 }.encode();
+    let stage_pull = Stage { token: 1, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 0x1000, ranges: vec![(0x7000_0000, 0, 2 << 20)] }.encode();
+    let packed: Vec<(u64, u64, u64)> = (0..64u64).map(|i| (0x7000_0000 + (63 - i) * 16384, 0x7f00_0000_0000 + i * 4096, 4096)).collect();
+    let stage_push = Stage { token: u64::MAX, dir: StageDir::Push, rail: 3, rrail: 1, peer_key: 7, ranges: packed }.encode();
     let hello = encode_ctrl(CtrlType::Hello, 0xa1, "initiator", &tcp1);
     let notif = encode_ctrl(CtrlType::Notif, 0xa1, "initiator", b"W 1234 0 4096");
     let st = encode_ctrl(CtrlType::Stage, 0xa1, "initiator", &stage_pull);
@@ -345,11 +346,14 @@ fn generate() -> BTreeMap<&'static str, Vec<(String, Vec<u8>)>> {
     let mut hb = tcp1.clone();
     hb.truncate(hb.len() - 1);
     v.push(("bad-hello-truncated-conn-info".into(), encode_ctrl(CtrlType::Hello, 0xa1, "initiator", &hb)));
-    let over = Stage { token: 1, dir: StageDir::Pull, dev_addr: u64::MAX, len: 1, peer_addr: 0, peer_key: 0 }.encode();
+    let over = Stage { token: 1, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 0, ranges: vec![(u64::MAX, 0, 1)] }.encode();
     v.push(("bad-stage-overflow".into(), encode_ctrl(CtrlType::Stage, 1, "i", &over)));
     let mut b = stage_pull.clone();
-    b[8] = 3;
+    b[9] = 3;
     v.push(("bad-stage-direction-3".into(), encode_ctrl(CtrlType::Stage, 1, "i", &b)));
+    let mut b = stage_pull.clone();
+    b[0] = 1;
+    v.push(("bad-stage-format-1".into(), encode_ctrl(CtrlType::Stage, 1, "i", &b)));
     v.push(("bad-stage-ack-short".into(), encode_ctrl(CtrlType::StageAck, 1, "i", &[0; 11])));
     v.push(("bad-stage-as-ack".into(), encode_ctrl(CtrlType::StageAck, 1, "i", &stage_pull)));
     let copy = CopyReq { token: 7, to_receiver: true, ipc: ipc_block(0x7000_0000, 4 << 20), ranges: vec![(0x7000_0000, 0x5555_0000, 4096), (0x7000_2000, 0x5555_2000, 8192)] };

@@ -79,6 +79,10 @@ pub struct nf_counters {
     /// Bytes moved by cross-memory attach between this process and a same-host peer
     /// process's host memory (cma_copy), with no rail.
     pub cma_bytes: u64,
+    /// Stage requests (one per packed staging chunk) this engine sent to owners of remote
+    /// GPU memory, and those it served for peers.
+    pub stage_requests: u64,
+    pub stage_served: u64,
 }
 
 /// The engine's snapshots as the C structs: field for field.
@@ -94,7 +98,7 @@ from_snapshot!(crate::engine::CounterSnapshot => nf_counters {
     requests_posted, requests_completed, requests_failed, notifs_sent, notifs_received,
     progress_passes, cuda_ctx_applies,
     gpu_direct_bytes, gpu_ipc_opens, gpu_ipc_closes, gpu_batch_calls, gpu_copy_calls,
-    gpu_kernel_launches, cma_bytes,
+    gpu_kernel_launches, cma_bytes, stage_requests, stage_served,
 });
 from_snapshot!(crate::engine::RailCounterSnapshot => nf_rail_counters { bytes, ops, retries, errors });
 

@@ -414,7 +414,8 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
  * named nf_p); "running" it performs the copies its parameter block lists, after the checks
  * a real launch would fail or corrupt memory on: the module's context current, a stream of
  * that context, a grid that covers every range, and both ends of every range in device
- * memory (ours or IPC-mapped: a kernel cannot touch pageable host memory).
+ * memory (ours or IPC-mapped) or pinned host memory from cuMemHostAlloc (a kernel cannot
+ * touch pageable host memory).
  * MOCK_CUDA_NO_KERNEL=1: the module API refuses (a driver without JIT);
  * MOCK_CUDA_SMALL_PARAMS=1: parameter blocks over 4352 bytes are refused (an old driver). */
 typedef struct mmodule { CUcontext ctx; size_t param_bytes; int magic; } *CUmodule;
@@ -452,7 +453,15 @@ CUresult cuModuleUnload(CUmodule m) {
     free(m);
     return OK;
 }
-static int device_range(CUdeviceptr p, size_t n) { return span_ok(p, n, 1); }
+/* What a kernel may touch: device memory, and page-locked memory from cuMemHostAlloc,
+ * which unified addressing maps into every device at its host address (staging gathers
+ * into and scatters out of its bounce slots that way). Registered (cuMemHostRegister) and
+ * pageable host memory stay out of reach. */
+static int device_range(CUdeviceptr p, size_t n) {
+    struct alloc *a = find((uintptr_t)p);
+    if (a && a->kind == K_HOST) return (uintptr_t)p + n <= a->base + a->size;
+    return span_ok(p, n, 1);
+}
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, CUstream st, void **params, void **extra) {
     if (!f || f->magic != MODULE_MAGIC) return INVALID_HANDLE;

@@ -53,6 +53,9 @@ pub struct Initiator {
     pub name: String,
     pub info: Option<ConnInfo>,
     pub addr: Option<FiAddr>,
+    /// Our addresses of its other rails: (our rail, its rail, address), inserted on first
+    /// use (staged chunks are served on the rail pair the initiator chose).
+    pub rail_addrs: Vec<(u16, u16, FiAddr)>,
     /// Watches its process when it is on this host (copy requests open its GPU memory).
     pub pidfd: Option<PidFd>,
 }
@@ -101,6 +104,33 @@ impl Conns {
             }
         }
         ini.addr
+    }
+
+    /// Our address on `rail` of an initiator's rail `rrail` (inserted on first use); rail 0
+    /// to its rail 0 is its control address.
+    pub fn initiator_rail_addr(&mut self, engine_id: u64, rail: &dyn Port, rrail: usize, owner: &str) -> Option<FiAddr> {
+        if rail.index() == 0 && rrail == 0 {
+            return self.initiator_addr(engine_id, rail, owner);
+        }
+        let ini = self.initiators.get_mut(&engine_id)?;
+        let key = (rail.index() as u16, rrail as u16);
+        if let Some(&(_, _, a)) = ini.rail_addrs.iter().find(|x| (x.0, x.1) == key) {
+            return Some(a);
+        }
+        let ra = ini.info.as_ref()?.rails.get(rrail)?;
+        if ra.provider != rail.caps().prov_name {
+            return None;
+        }
+        match rail.av_insert(&ra.addr) {
+            Ok(a) => {
+                ini.rail_addrs.push((key.0, key.1, a));
+                Some(a)
+            }
+            Err(e) => {
+                log::error!("{owner}: cannot reach rail {rrail} of agent '{}': {e}", ini.name);
+                None
+            }
+        }
     }
 
     /// False once an initiator on this host is known to have exited.
@@ -175,7 +205,7 @@ impl Conns {
             .and_then(|i| i.process.as_ref())
             .filter(|p| p.pid != std::process::id())
             .and_then(|p| PidFd::open(p.pid));
-        self.initiators.insert(msg.sender_id, Initiator { name: msg.sender.to_string(), info, addr: None, pidfd });
+        self.initiators.insert(msg.sender_id, Initiator { name: msg.sender.to_string(), info, addr: None, rail_addrs: Vec::new(), pidfd });
     }
 
     /// Same-host peers (`asked` of them) that are gone: their process exited, or CMA no

@@ -19,7 +19,7 @@ counters!(Counters => CounterSnapshot {
     requests_posted, requests_completed, requests_failed, notifs_sent, notifs_received,
     progress_passes, cuda_ctx_applies,
     gpu_direct_bytes, gpu_ipc_opens, gpu_ipc_closes, gpu_batch_calls, gpu_copy_calls,
-    gpu_kernel_launches, cma_bytes,
+    gpu_kernel_launches, cma_bytes, stage_requests, stage_served,
 });
 counters!(RailCounters => RailCounterSnapshot { bytes, ops, retries, errors });
 

@@ -105,6 +105,7 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
     let stripe = inp.cfg.striping_threshold.max(1);
     let mut segs = seg_list(count);
     let mut keeps: Vec<Keep> = Vec::new();
+    let mut fill = ChunkFill::default();
     let mut ways = Ways::default();
     for (i, p) in pairs.enumerate() {
         let Pair { local: (la, ll, lm), remote: (ra, rl, rm) } = p?;
@@ -150,7 +151,7 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
                 add(&mut segs, Seg { local: la, len: ll, raddr: ra.wrapping_add(*shift), rkey: 0, desc: 0, rail: 0, rrail: 0, kind: *kind }, u64::MAX);
             }
             (Way::Staged(lstaged), Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
-                staged_segs(inp, &mut segs, (la, ll, lm), (ra, desc), *lstaged, &peer.route);
+                staged_segs(inp, &mut segs, &mut fill, (la, ll, lm), (ra, desc), *lstaged, &peer.route);
             }
             (Way::Rma, Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
                 // Descriptors below the striping threshold go to the rails in contiguous
@@ -323,16 +324,41 @@ fn direct_route(cfg: &Config, reach: &dyn Reach, peer: &Peer, lm: &LocalMem,
     }
 }
 
-/// Cuts a pair with staged device memory on either side into staging chunks.
-fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, local: (u64, u64, &Arc<LocalMem>), remote: (u64, &MemDesc),
+/// The staging chunk being filled while a request is planned: its rail pair, bytes and
+/// blocks so far, and what its blocks share (kind, context or key, remote key).
+#[derive(Default)]
+struct ChunkFill {
+    hop: Option<RoutePair>,
+    bytes: u64,
+    blocks: u64,
+    shared: (u8, usize, u64),
+}
+
+/// Cuts a pair with staged device memory on either side into segments of packed staging
+/// chunks: consecutive blocks fill one chunk (one rail pair) up to its bytes and block
+/// count, a block that does not fit is cut at the chunk's end, and each new chunk takes the
+/// next rail pair of the route, so a request's chunks go over every rail.
+fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, fill: &mut ChunkFill, local: (u64, u64, &Arc<LocalMem>), remote: (u64, &MemDesc),
                lstaged: Option<DeviceMem>, route: &[RoutePair]) {
     let (la, ll, lm) = local;
     let (ra, desc) = remote;
-    let chunk = inp.cfg.staging_chunk_size.max(1);
+    let chunk = inp.cfg.staging_chunk(inp.shapes.first().map_or("", |s| s.provider.as_str())).max(1);
+    let max_blocks = inp.cfg.staging_ranges.max(1);
     let mut off = 0;
     while off < ll {
-        let len = chunk.min(ll - off);
-        let hop = route[inp.rr_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % route.len()];
+        let shared = match lstaged {
+            Some(d) => (if desc.staged { 2 } else { 1 }, d.ctx.id(), 0),
+            None => (3, 0, lm.base),
+        };
+        let hop = match fill.hop {
+            Some(h) if fill.bytes < chunk && fill.blocks < max_blocks && fill.shared == shared => h,
+            _ => {
+                let h = route[inp.rr_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % route.len()];
+                *fill = ChunkFill { hop: Some(h), bytes: 0, blocks: 0, shared };
+                h
+            }
+        };
+        let len = (chunk - fill.bytes).min(ll - off);
         let (rail, rrail) = (hop.rail as usize, hop.rrail as usize);
         let (kind, raddr, rkey) = match (lstaged, desc.staged) {
             (Some(d), false) => {
@@ -340,12 +366,19 @@ fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, local: (u64, u64, &Arc<LocalMe
                 (SegKind::DevToHost { ctx: d.ctx }, raddr, desc.keys[rrail])
             }
             (None, _) => {
-                let self_addr = if inp.shapes[0].virt_addr { la + off } else { la - lm.base + off };
-                (SegKind::HostToDev { self_addr, self_key: lm.keys[0] }, ra + off, 0)
+                let self_addr = if inp.shapes[rail].virt_addr { la + off } else { la - lm.base + off };
+                (SegKind::HostToDev { self_addr, self_key: lm.keys[rail] }, ra + off, 0)
             }
             (Some(d), true) => (SegKind::DevToDev { ctx: d.ctx }, ra + off, 0),
         };
+        if fill.blocks > 0 && rkey != 0 && segs.last().is_some_and(|s| s.rkey != rkey) {
+            // Another remote registration: a chunk's RMA names one key.
+            fill.hop = None;
+            continue;
+        }
         segs.push(Seg { local: la + off, len, raddr, rkey, desc: lm.descs[rail], rail: rail as u16, rrail: rrail as u16, kind });
+        fill.bytes += len;
+        fill.blocks += 1;
         off += len;
     }
 }

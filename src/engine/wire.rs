@@ -424,24 +424,33 @@ impl CopyReq {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum StageDir {
-    /// RMA-read `len` bytes from the requester's (`peer_addr`, `peer_key`) into device
-    /// memory at `dev_addr`.
+    /// RMA-read every range from the requester's memory (`peer_addr`, `peer_key`) into one
+    /// bounce slot, then scatter it into device memory (one launch).
     Pull = 1,
-    /// Copy `len` bytes out of device memory at `dev_addr` and RMA-write them to the
-    /// requester's (`peer_addr`, `peer_key`).
+    /// Gather every range of device memory into one bounce slot (one launch), then
+    /// RMA-write each range to the requester's memory.
     Push = 2,
 }
 
-/// A stage request. `peer_addr` is already in the form the requester's rail 0 expects
-/// (virtual address or offset).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Format of a stage request's payload (its first byte). 1 was one range per request,
+/// over rail 0; a peer that still speaks it is refused with both versions named.
+pub const STAGE_FORMAT: u8 = 2;
+/// Most ranges one stage request carries (24 bytes each; the sender also keeps a request
+/// within its control buffer).
+pub const STAGE_MAX_RANGES: usize = 4096;
+
+/// A packed stage request: one staging chunk of many ranges. Each range is (device address
+/// at the owner, the requester's address as its rail `rail` expects it (virtual address or
+/// offset), length); the owner posts its RMA on its rail `rrail` toward the requester's
+/// rail `rail`, with `peer_key` (the requester's key on that rail).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stage {
     pub token: u64,
     pub dir: StageDir,
-    pub dev_addr: u64,
-    pub len: u64,
-    pub peer_addr: u64,
+    pub rail: u16,
+    pub rrail: u16,
     pub peer_key: u64,
+    pub ranges: Vec<(u64, u64, u64)>,
 }
 
 /// The answer to a stage request: its token and a NIXL status code.
@@ -452,25 +461,55 @@ pub struct StageAck {
 }
 
 impl Stage {
+    /// Bytes of a request with `n` ranges.
+    pub const fn encoded_len(n: usize) -> usize {
+        1 + 8 + 1 + 2 + 2 + 8 + 4 + 24 * n
+    }
+
+    /// Bytes the chunk moves.
+    pub fn bytes(&self) -> u64 {
+        self.ranges.iter().map(|r| r.2).sum()
+    }
+
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::default();
-        w.u64(self.token).u8(self.dir as u8).u64(self.dev_addr).u64(self.len).u64(self.peer_addr).u64(self.peer_key);
+        let mut w = Writer(Vec::with_capacity(Self::encoded_len(self.ranges.len())));
+        w.u8(STAGE_FORMAT).u64(self.token).u8(self.dir as u8).u16(self.rail).u16(self.rrail).u64(self.peer_key);
+        w.u32(self.ranges.len() as u32);
+        for &(d, p, n) in &self.ranges {
+            w.u64(d).u64(p).u64(n);
+        }
         w.0
     }
+
     pub fn decode(b: &[u8]) -> Result<Stage> {
         let mut r = Reader::new(b, "stage request");
+        let v = r.u8("format")?;
+        if v != STAGE_FORMAT {
+            return Err(Error::Version { what: "stage request", ours: STAGE_FORMAT as u16, theirs: v as u16 });
+        }
         let token = r.u64("token")?;
         let dir = match r.u8("direction")? {
             1 => StageDir::Pull,
             2 => StageDir::Push,
-            d => return Err(Error::Malformed { what: "stage request", why: format!("unknown direction {d}") }),
+            d => return Err(r.err(format!("unknown direction {d}"))),
         };
-        let s = Stage { token, dir, dev_addr: r.u64("device address")?, len: r.u64("length")?, peer_addr: r.u64("peer address")?, peer_key: r.u64("peer key")? };
-        r.finish()?;
-        if s.dev_addr.checked_add(s.len).is_none() || s.peer_addr.checked_add(s.len).is_none() {
-            return Err(Error::Malformed { what: "stage request", why: "address + length overflows".into() });
+        let (rail, rrail, peer_key) = (r.u16("rail")?, r.u16("remote rail")?, r.u64("peer key")?);
+        let n = r.u32("range count")? as usize;
+        if n == 0 || n > STAGE_MAX_RANGES {
+            return Err(r.err(format!("range count {n} not in 1..={STAGE_MAX_RANGES}")));
         }
-        Ok(s)
+        let mut ranges = Vec::with_capacity(n);
+        let mut total = 0u64;
+        for _ in 0..n {
+            let (d, p, len) = (r.u64("device address")?, r.u64("peer address")?, r.u64("length")?);
+            total = total.checked_add(len).ok_or_else(|| r.err("total length overflows".into()))?;
+            if len == 0 || d.checked_add(len).is_none() || p.checked_add(len).is_none() {
+                return Err(r.err(format!("range [{d:#x}, +{len}) is empty or address + length overflows")));
+            }
+            ranges.push((d, p, len));
+        }
+        r.finish()?;
+        Ok(Stage { token, dir, rail, rrail, peer_key, ranges })
     }
 }
 
@@ -697,12 +736,28 @@ mod tests {
 
     #[test]
     fn stage_round_trip() {
-        let s = Stage { token: 1, dir: StageDir::Push, dev_addr: 2, len: 3, peer_addr: 4, peer_key: 5 };
-        assert_eq!(Stage::decode(&s.encode()).unwrap(), s);
+        let s = Stage { token: 1, dir: StageDir::Push, rail: 2, rrail: 3, peer_key: 5, ranges: vec![(2, 4, 3), (0x100, 0x200, 4096)] };
+        let b = s.encode();
+        assert_eq!(b.len(), Stage::encoded_len(2));
+        assert_eq!(Stage::decode(&b).unwrap(), s);
+        assert_eq!(s.bytes(), 4099);
+        for n in 0..b.len() {
+            assert!(Stage::decode(&b[..n]).is_err());
+        }
         let a = StageAck { token: 9, status: -10 };
         assert_eq!(StageAck::decode(&a.encode()).unwrap(), a);
-        let bad = Stage { dev_addr: u64::MAX, ..s }.encode();
-        assert!(Stage::decode(&bad).is_err());
+        for bad in [
+            Stage { ranges: vec![(u64::MAX, 0, 3)], ..s.clone() },
+            Stage { ranges: vec![(0, u64::MAX, 3)], ..s.clone() },
+            Stage { ranges: vec![(0, 0, 0)], ..s.clone() },
+            Stage { ranges: vec![(0, 0, u64::MAX), (8, 8, 2)], ..s.clone() },
+            Stage { ranges: vec![], ..s.clone() },
+        ] {
+            assert!(Stage::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+        let mut old = s.encode();
+        old[0] = 1;
+        assert!(matches!(Stage::decode(&old), Err(Error::Version { ours: 2, theirs: 1, .. })));
     }
 
     #[test]

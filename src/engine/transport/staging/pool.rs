@@ -1,9 +1,11 @@
 //! The bounce pool of staging: one pinned allocation cut into chunk-sized slots, registered
-//! on every rail, with a CUDA stream per context for the copies in and out of it; and the
-//! generation-tagged slab that names chunks in flight.
+//! on every rail, with two CUDA streams per context (gathers out of device memory on one,
+//! scatters into it on the other, so chunks going both ways overlap) and the gather-copy
+//! kernel per context that packs a chunk's many device ranges with one launch.
 use crate::cuda;
 use super::super::Cx;
 use crate::engine::core::Core;
+use crate::engine::counters::add;
 use crate::engine::ops::{OpKind, OpPool};
 use crate::engine::port::{Mr, Port};
 use crate::error::{Error, Result};
@@ -11,17 +13,22 @@ use crate::fabric::{FiAddr, Posted, RmaSeg};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// One RMA piece of a chunk: (offset in the slot, peer's address, length).
+pub type Piece = (usize, u64, usize);
+
 /// Requests we start may hold at most half the slots, so serving peers' stage requests
 /// always has room and two engines staging into each other cannot deadlock.
 pub struct Stager {
-    // Field order is drop order: MRs close before the memory is freed.
+    // Field order is drop order: kernels unload and MRs close before the memory is freed.
+    kernels: HashMap<usize, Option<cuda::CopyKernel>>,
     mrs: Vec<Mr>,
     buf: cuda::PinnedBuffer,
     pub chunk: usize,
     free: Vec<u32>,
     own_cap: usize,
     own_held: usize,
-    streams: HashMap<usize, cuda::Stream>,
+    /// (context id, out) -> stream.
+    streams: HashMap<(usize, bool), cuda::Stream>,
 }
 
 impl Stager {
@@ -35,8 +42,8 @@ impl Stager {
             // SAFETY: the pinned buffer is owned by the pool, whose MRs drop before it.
             mrs.push(unsafe { r.register(buf.ptr(), buf.len(), *next_key, None) }?);
         }
-        log::info!("{owner}: staging pool: {n} slots of {chunk} bytes ({} MiB pinned)", (n * chunk) >> 20);
-        Ok(Stager { mrs, buf, chunk, free: (0..n as u32).rev().collect(), own_cap: (n / 2).max(1), own_held: 0, streams: HashMap::new() })
+        log::info!("{owner}: staging pool: {n} slots of {chunk} bytes ({} MiB pinned, {} rails)", (n * chunk) >> 20, rails.len());
+        Ok(Stager { kernels: HashMap::new(), mrs, buf, chunk, free: (0..n as u32).rev().collect(), own_cap: (n / 2).max(1), own_held: 0, streams: HashMap::new() })
     }
 
     pub fn slot_ptr(&self, i: u32) -> *mut u8 {
@@ -44,10 +51,18 @@ impl Stager {
         unsafe { self.buf.ptr().add(i as usize * self.chunk) }
     }
 
-    /// Slot `i` as a peer's RMA on rail 0 must address it, and the key it names it by.
-    pub fn rma_target(&self, i: u32, virt: bool) -> (u64, u64) {
+    /// Slot `i` as a peer's RMA toward our rail `rail` must address it, and the key it
+    /// names it by there.
+    pub fn rma_target(&self, i: u32, rail: usize, virt: bool) -> Result<(u64, u64)> {
+        let mr = self.mrs.get(rail).ok_or_else(|| Error::Backend(format!("no staging MR on rail {rail}")))?;
         let addr = if virt { self.slot_ptr(i) as u64 } else { i as u64 * self.chunk as u64 };
-        (addr, self.mrs.first().map_or(0, |m| m.key))
+        Ok((addr, mr.key))
+    }
+
+    /// Free slots now.
+    #[cfg(test)]
+    pub fn free_slots(&self) -> usize {
+        self.free.len()
     }
 
     /// A free slot: for one of our chunks (`own`, at most half the pool) or a serve.
@@ -65,42 +80,119 @@ impl Stager {
         self.free.push(slot);
     }
 
-    fn stream(&mut self, ctx: cuda::Context) -> Result<&cuda::Stream> {
-        Ok(match self.streams.entry(ctx.id()) {
+    fn stream(&mut self, ctx: cuda::Context, out: bool) -> Result<&cuda::Stream> {
+        Ok(match self.streams.entry((ctx.id(), out)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(cuda::Stream::new(&ctx)?),
         })
     }
 
-    /// Queues a device copy between `dev` and slot `slot` on the context's stream (`out`:
-    /// device to host), under the context (rule 4). Returns the event that completes after it.
-    pub fn copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, dev: u64, len: usize, out: bool) -> Result<cuda::Event> {
+    fn kernel(&mut self, core: &Core, ctx: cuda::Context) -> Option<&cuda::CopyKernel> {
+        if !core.cfg.gpu_copy_kernel {
+            return None;
+        }
+        self.kernels.entry(ctx.id()).or_insert_with(|| match cuda::CopyKernel::load(&ctx) {
+            Ok(k) => {
+                log::info!("{}: staging packs up to {} GPU blocks per gather/scatter launch", core.name, k.ranges_per_launch());
+                Some(k)
+            }
+            Err(e) => {
+                log::info!("{}: the gather-copy kernel cannot run here ({e}); staged blocks are copied one by one", core.name);
+                None
+            }
+        }).as_ref()
+    }
+
+    /// Queues the device copies of one chunk between device `ranges` (address, length) and
+    /// slot `slot`, packed back to back in range order (`out`: device to slot, a gather;
+    /// else a scatter), on the context's stream of that direction, under the context (rule
+    /// 4): one copy for one range, one gather-kernel launch for several (pinned memory is
+    /// addressable by kernels under unified addressing), one copy per range where the
+    /// kernel cannot run. Returns the event that completes after them.
+    pub fn copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, ranges: &[(u64, usize)], out: bool) -> Result<cuda::Event> {
+        let total: usize = ranges.iter().map(|r| r.1).sum();
+        if total > self.chunk || ranges.is_empty() {
+            return Err(Error::Backend(format!("a staged chunk of {total} bytes in {} ranges does not fit a {}-byte slot", ranges.len(), self.chunk)));
+        }
         core.apply_ctx(&ctx)?;
-        let host = self.slot_ptr(slot);
-        let stream = self.stream(ctx)?;
-        // SAFETY: the slot is held by this chunk until its event completes; `dev` was
-        // bounds-checked against a live device registration that the request or serve
-        // entry keeps alive.
-        unsafe {
-            if out {
-                stream.copy_dtoh_async(host, dev, len)?;
-            } else {
-                stream.copy_htod_async(dev, host, len)?;
+        let host = self.slot_ptr(slot) as u64;
+        self.stream(ctx, out)?;
+        if ranges.len() > 1 && self.kernel(core, ctx).is_some() {
+            let mut copies = Vec::with_capacity(ranges.len());
+            let mut off = 0u64;
+            for &(dev, len) in ranges {
+                copies.push(if out { (host + off, dev, len) } else { (dev, host + off, len) });
+                off += len as u64;
+            }
+            let (Some(Some(k)), Some(stream)) = (self.kernels.get(&ctx.id()), self.streams.get(&(ctx.id(), out))) else {
+                return Err(Error::Backend("staging stream vanished".into()));
+            };
+            // SAFETY: the slot is held by this chunk until the event completes; every
+            // device range was bounds-checked against a live device registration that the
+            // request or serve keeps alive until then.
+            match unsafe { k.launch(stream, &copies) } {
+                Ok(n) => {
+                    add(&core.counters.gpu_kernel_launches, n as u64);
+                    return Ok(stream.record()?);
+                }
+                Err(e) => {
+                    // Nothing of this group was queued past the failed launch; earlier
+                    // launches of it (a driver with the small parameter block) are on the
+                    // stream, and the copies below repeat their bytes after them.
+                    log::info!("{}: the gather-copy kernel failed to launch ({e}); staged blocks are copied one by one", core.name);
+                    self.kernels.insert(ctx.id(), None);
+                }
             }
         }
+        let stream = self.stream(ctx, out)?;
+        let mut off = 0usize;
+        for &(dev, len) in ranges {
+            // SAFETY: as above; `off + len` stays inside the slot (total <= chunk).
+            unsafe {
+                let at = (host as *mut u8).add(off);
+                if out {
+                    stream.copy_dtoh_async(at, dev, len)?;
+                } else {
+                    stream.copy_htod_async(dev, at, len)?;
+                }
+            }
+            off += len;
+        }
+        add(&core.counters.gpu_copy_calls, ranges.len() as u64);
         Ok(stream.record()?)
     }
 
-    /// Posts one RMA between slot `slot` and the peer's `[raddr, +len)` on `rail`, once: on
-    /// FI_EAGAIN the caller keeps the chunk where it is and posts the same operation again.
+    /// Posts one RMA operation between slot `slot` and the peer on `rail`: `pieces` (at most
+    /// the rail's batch) of (slot offset, peer address, length), all under `rkey`. On a rail
+    /// with its own thread it goes through the thread's outbox. FI_EAGAIN: the caller keeps
+    /// the chunk where it is and posts the same operation again.
     #[allow(clippy::too_many_arguments)]
-    pub fn post(&self, rail: &dyn Port, ops: &mut OpPool, op: OpKind, slot: u32, write: bool, dest: FiAddr, raddr: u64, rkey: u64, len: usize) -> Result<Posted> {
+    pub fn post(&self, rail: &dyn Port, core: &Core, ops: &mut OpPool, op: OpKind, slot: u32, write: bool, dest: FiAddr, pieces: &[Piece], rkey: u64) -> Result<Posted> {
         let mr = self.mrs.get(rail.index()).ok_or_else(|| Error::Backend(format!("no staging MR on rail {}", rail.index())))?;
-        let seg = RmaSeg { local: self.slot_ptr(slot), len, desc: mr.desc, raddr, rkey };
+        if pieces.is_empty() || pieces.len() > crate::fabric::MAX_RMA_BATCH || pieces.iter().any(|p| p.0 + p.2 > self.chunk) {
+            return Err(Error::Backend("a staged RMA outside its slot".into()));
+        }
+        let base = self.slot_ptr(slot);
+        let mut segs = [RmaSeg { local: base, len: 0, desc: mr.desc, raddr: 0, rkey }; crate::fabric::MAX_RMA_BATCH];
+        for (s, &(off, raddr, len)) in segs.iter_mut().zip(pieces) {
+            // SAFETY: off + len <= chunk (checked above): inside the slot.
+            s.local = unsafe { base.add(off) };
+            s.len = len;
+            s.raddr = raddr;
+        }
+        let segs = &segs[..pieces.len()];
         let ctx = ops.alloc(op);
         // SAFETY: the slot is registered on this rail (its MR) and held by the chunk until
-        // this operation completes (the pool outlives the rails' users); ctx is a live slot.
-        let r = unsafe { rail.rma(write, &[seg], dest, ctx, false, write) };
+        // this operation completes or is taken back unposted (the pool outlives the rails'
+        // users); ctx is a live slot.
+        let r = unsafe {
+            if rail.posts_on_thread() {
+                core.note_rail_traffic();
+                rail.queue_rma(write, segs, dest, ctx, write)
+            } else {
+                rail.rma(write, segs, dest, ctx, false, write)
+            }
+        };
         if !matches!(r, Ok(Posted::Ok)) {
             ops.release(ctx);
         }
@@ -108,12 +200,47 @@ impl Stager {
     }
 }
 
-/// The pool, created on first use under the context of the memory that needs it.
+/// The RMA operations of a chunk: its ranges (peer address, length) packed back to back in
+/// the slot, those that continue each other on both sides merged, in operations of at most
+/// `batch` pieces.
+pub fn rma_ops(ranges: impl Iterator<Item = (u64, usize)>, batch: usize) -> Vec<Vec<Piece>> {
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut off = 0;
+    for (raddr, len) in ranges {
+        match pieces.last_mut() {
+            Some(last) if last.1 + last.2 as u64 == raddr => last.2 += len,
+            _ => pieces.push((off, raddr, len)),
+        }
+        off += len;
+    }
+    pieces.chunks(batch.clamp(1, crate::fabric::MAX_RMA_BATCH)).map(|c| c.to_vec()).collect()
+}
+
+/// The pool, created on first use under the context of the memory that needs it, sized
+/// from the rails (config staging_chunk / staging_pool).
 pub fn ensure<'a>(pool: &'a mut Option<Stager>, cx: &Cx, ctx: &cuda::Context, next_key: &mut u64) -> Result<&'a mut Stager> {
     if pool.is_none() {
         let cfg = &cx.core.cfg;
-        let (size, chunk) = (cfg.staging_buffer_size as usize, cfg.staging_chunk_size as usize);
-        *pool = Some(Stager::new(&cx.core.name, ctx, cx.rails, size, chunk, next_key)?);
+        let provider = cx.rails.first().map_or("", |r| r.caps().prov_name.as_str());
+        let chunk = cfg.staging_chunk(provider);
+        let size = cfg.staging_pool(cx.rails.len(), chunk);
+        *pool = Some(Stager::new(&cx.core.name, ctx, cx.rails, size as usize, chunk as usize, next_key)?);
     }
     pool.as_mut().ok_or_else(|| Error::Backend("no staging pool".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rma_ops_merge_what_continues_and_respect_the_batch() {
+        // Three blocks back to back at the peer, then a gap, then two more.
+        let r = [(0x1000, 16), (0x1010, 16), (0x1020, 16), (0x5000, 8), (0x9000, 8)];
+        let ops = rma_ops(r.iter().copied(), 2);
+        assert_eq!(ops, vec![vec![(0, 0x1000, 48), (48, 0x5000, 8)], vec![(56, 0x9000, 8)]]);
+        // A contiguous slot window (the peer's bounce slot): one piece.
+        let ops = rma_ops((0..64u64).map(|i| (0x10_0000 + i * 4096, 4096)), 4);
+        assert_eq!(ops, vec![vec![(0, 0x10_0000, 64 * 4096)]]);
+    }
 }

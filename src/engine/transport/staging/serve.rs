@@ -1,12 +1,16 @@
-//! The owner's side of staging: peers ask us (control message STAGE) to move a chunk in or
-//! out of our device memory. PULL: RMA-read the chunk from the requester into a bounce
-//! slot, then copy it into our memory. PUSH: copy out into a slot, then RMA-write it to the
-//! requester. Every step that the provider refuses for now (FI_EAGAIN) is retried as the
-//! same step: a PULL's read stays a read.
+//! The owner's side of staging: peers ask us (control message STAGE, one per packed
+//! chunk) to move a chunk's ranges in or out of our device memory. PULL: RMA-read the
+//! ranges from the requester into one bounce slot, back to back, then scatter the slot into
+//! our memory with one launch. PUSH: gather the ranges into a slot with one launch, then
+//! RMA-write them to the requester. The RMA goes over the rail pair the requester chose for
+//! the chunk, so a request's chunks use every rail. Every step that the provider refuses
+//! for now (FI_EAGAIN) is retried as the same step: a PULL's read stays a read. A serve
+//! ends (and answers) only when none of its operations is with the provider any more.
 use super::super::slab::Slab;
-use super::pool::{ensure, Stager};
+use super::pool::{ensure, rma_ops, Piece, Stager};
 use super::super::Cx;
 use crate::cuda;
+use crate::engine::counters::add;
 use crate::engine::ops::{OpKind, TOp};
 use crate::engine::registry::LocalMem;
 use crate::engine::wire::{CtrlType, Stage, StageAck, StageDir};
@@ -19,10 +23,9 @@ use std::sync::Arc;
 pub const SERVE_RMA: u8 = 2;
 
 enum Phase {
-    /// The slot's RMA is with the provider.
+    /// The RMA operations are being posted (`next_op`; FI_EAGAIN leaves it there) or are
+    /// with the provider.
     Rma,
-    /// The slot's RMA is to be posted (first try, or again after FI_EAGAIN).
-    PostRma { write: bool },
     CopyIn(cuda::Event),
     CopyOut(cuda::Event),
 }
@@ -30,13 +33,24 @@ enum Phase {
 /// A peer's stage request we are serving.
 struct Serve {
     stage: Stage,
-    /// The requester: its engine id (to answer) and its rail-0 address (RMA target).
+    /// The requester: its engine id (to answer); our rail and its address there.
     sender: u64,
+    rail: usize,
     dest: FiAddr,
     ctx: cuda::Context,
     slot: u32,
     phase: Phase,
-    _mem: Arc<LocalMem>,
+    rma: Vec<Vec<Piece>>,
+    next_op: usize,
+    left: usize,
+    failed: Option<Error>,
+    _mems: Vec<Arc<LocalMem>>,
+}
+
+impl Serve {
+    fn dev_ranges(&self) -> Vec<(u64, usize)> {
+        self.stage.ranges.iter().map(|r| (r.0, r.2 as usize)).collect()
+    }
 }
 
 #[derive(Default)]
@@ -44,6 +58,30 @@ pub struct Serves {
     items: Slab<Serve>,
     /// Stage requests waiting for a free slot: (sender engine id, request).
     waiting: VecDeque<(u64, Stage)>,
+}
+
+/// The registrations holding every device range of a request, and their one context; Err
+/// with what is wrong.
+fn owners(cx: &Cx, st: &Stage) -> std::result::Result<(Vec<Arc<LocalMem>>, cuda::Context), String> {
+    let mut mems: Vec<Arc<LocalMem>> = Vec::new();
+    let mut ctx: Option<cuda::Context> = None;
+    for &(d, _, len) in &st.ranges {
+        // KV blocks of one chunk are nearly always in one registration: try the last one.
+        let m = match mems.last() {
+            Some(m) if m.check(d, len, "").is_ok() => m.clone(),
+            _ => {
+                let m = cx.core.gpu.find(d, len).ok_or_else(|| format!("[{d:#x}, +{len}) is not inside a registered device region"))?;
+                mems.push(m.clone());
+                m
+            }
+        };
+        let dev = m.dev.ok_or_else(|| format!("[{d:#x}, +{len}) is not device memory"))?;
+        match ctx {
+            Some(c) if c.id() != dev.ctx.id() => return Err("the ranges belong to more than one CUDA context".into()),
+            _ => ctx = Some(dev.ctx),
+        }
+    }
+    Ok((mems, ctx.ok_or("no ranges")?))
 }
 
 impl Serves {
@@ -65,90 +103,129 @@ impl Serves {
         cx.ctrl(0, dest, CtrlType::StageAck, &StageAck { token, status: status.code() }.encode());
     }
 
+    fn refuse(cx: &mut Cx, sender: u64, token: u64, why: &str) {
+        log::error!("{}: refusing a stage request: {why}", cx.core.name);
+        Self::answer(cx, sender, token, Status::NF_ERR_INVALID_PARAM);
+    }
+
     fn start(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, next_key: &mut u64, owner: u8) {
-        while let Some(&(sender, st)) = self.waiting.front() {
-            let Some(mem) = cx.core.gpu.find(st.dev_addr, st.len) else {
-                self.waiting.pop_front();
-                log::error!("{}: refusing a stage request for [{:#x}, +{}): not inside a registered device region", cx.core.name, st.dev_addr, st.len);
-                Self::answer(cx, sender, st.token, Status::NF_ERR_INVALID_PARAM);
-                continue;
+        while let Some((sender, st)) = self.waiting.front() {
+            let (sender, token) = (*sender, st.token);
+            let (mems, ctx) = match owners(cx, st) {
+                Ok(x) => x,
+                Err(why) => {
+                    self.waiting.pop_front();
+                    Self::refuse(cx, sender, token, &why);
+                    continue;
+                }
             };
-            let Some(dev) = mem.dev else {
-                self.waiting.pop_front();
-                Self::answer(cx, sender, st.token, Status::NF_ERR_INVALID_PARAM);
-                continue;
-            };
-            let p = match ensure(pool, cx, &dev.ctx, next_key) {
+            let p = match ensure(pool, cx, &ctx, next_key) {
                 Ok(p) => p,
                 Err(e) => {
                     self.waiting.pop_front();
                     log::error!("{}: staging pool: {e}", cx.core.name);
-                    Self::answer(cx, sender, st.token, e.status());
+                    Self::answer(cx, sender, token, e.status());
                     continue;
                 }
             };
-            if st.len as usize > p.chunk {
+            let (len, rail) = (st.bytes(), st.rrail as usize);
+            if len as usize > p.chunk || rail >= cx.rails.len() {
                 self.waiting.pop_front();
-                Self::answer(cx, sender, st.token, Status::NF_ERR_INVALID_PARAM);
+                Self::refuse(cx, sender, token, &format!("a chunk of {len} bytes on rail {rail} (our slots hold {} bytes, we have {} rails)", p.chunk, cx.rails.len()));
                 continue;
             }
             let Some(slot) = p.take(false) else { return };
-            self.waiting.pop_front();
-            let Some(dest) = cx.initiator_addr(sender) else {
+            let Some((_, st)) = self.waiting.pop_front() else { return };
+            let Some(dest) = cx.conns.initiator_rail_addr(sender, &*cx.rails[rail], st.rail as usize, &cx.core.name) else {
                 p.give(slot, false);
-                log::warn!("{}: stage request from an engine that never introduced itself", cx.core.name);
+                Self::refuse(cx, sender, token, &format!("its sender's rail {} cannot be reached from our rail {rail}", st.rail));
                 continue;
             };
-            let phase = match st.dir {
-                StageDir::Pull => Ok(Phase::PostRma { write: false }),
-                StageDir::Push => p.copy(cx.core, dev.ctx, slot, st.dev_addr, st.len as usize, true).map(Phase::CopyOut),
+            add(&cx.core.counters.stage_served, 1);
+            let batch = cx.rails[rail].caps().rma_batch.min(cx.core.cfg.rma_batch.max(1) as usize);
+            let rma = rma_ops(st.ranges.iter().map(|r| (r.1, r.2 as usize)), batch);
+            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, _mems: mems };
+            let phase = match s.stage.dir {
+                StageDir::Pull => Ok(Phase::Rma),
+                StageDir::Push => p.copy(cx.core, ctx, slot, &s.dev_ranges(), true).map(Phase::CopyOut),
             };
             match phase {
                 Ok(phase) => {
-                    let id = self.items.insert(Serve { stage: st, sender, dest, ctx: dev.ctx, slot, phase, _mem: mem });
-                    self.post_if_due(cx, pool, owner, id);
+                    s.phase = phase;
+                    let id = self.items.insert(s);
+                    self.post_due(cx, pool, owner, id);
                 }
                 Err(e) => {
                     p.give(slot, false);
                     log::error!("{}: serving a staged chunk for a peer failed: {e}", cx.core.name);
-                    Self::answer(cx, sender, st.token, e.status());
+                    Self::answer(cx, sender, token, e.status());
                 }
             }
         }
     }
 
-    /// Posts the serve's RMA if it is due; FI_EAGAIN leaves it due (the same operation).
-    fn post_if_due(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, owner: u8, id: u64) {
+    /// Posts the serve's due RMA operations; FI_EAGAIN leaves them due (the same ones).
+    fn post_due(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, owner: u8, id: u64) {
         let Some(s) = self.items.get_mut(id) else { return };
-        let Phase::PostRma { write } = s.phase else { return };
-        let Some(p) = pool.as_ref() else { return self.end(cx, pool, id, Err(Error::Backend("no staging pool".into()))) };
-        let op = OpKind::Transport(TOp { owner, tag: SERVE_RMA, rail: 0, slot: false, inline: false, req: None, epoch: 0, token: id, len: s.stage.len });
-        let Some(rail0) = cx.rails.first() else { return };
-        match p.post(&**rail0, cx.ops, op, s.slot, write, s.dest, s.stage.peer_addr, s.stage.peer_key, s.stage.len as usize) {
-            Ok(Posted::Ok) => s.phase = Phase::Rma,
-            Ok(Posted::Again) => crate::engine::counters::add(&cx.core.counters.retries, 1),
-            Err(e) => self.end(cx, pool, id, Err(e)),
+        if !matches!(s.phase, Phase::Rma) {
+            return;
+        }
+        let write = s.stage.dir == StageDir::Push;
+        let res = (|| -> Result<()> {
+            let p = pool.as_ref().ok_or_else(|| Error::Backend("no staging pool".into()))?;
+            let port = cx.rails.get(s.rail).ok_or_else(|| Error::Backend(format!("no rail {}", s.rail)))?;
+            while s.next_op < s.rma.len() {
+                let pieces = &s.rma[s.next_op];
+                let len: usize = pieces.iter().map(|p| p.2).sum();
+                let op = OpKind::Transport(TOp { owner, tag: SERVE_RMA, rail: s.rail as u16, slot: false, inline: false, req: None, epoch: 0, token: id, len: len as u64 });
+                match p.post(&**port, cx.core, cx.ops, op, s.slot, write, s.dest, pieces, s.stage.peer_key)? {
+                    Posted::Ok => {
+                        s.next_op += 1;
+                        s.left += 1;
+                    }
+                    Posted::Again => {
+                        add(&cx.core.counters.retries, 1);
+                        add(&cx.core.rail_counters[s.rail].retries, 1);
+                        break;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = res {
+            s.next_op = s.rma.len();
+            s.failed.get_or_insert(e);
+            if s.left == 0 {
+                let e = s.failed.take().unwrap_or(Error::Canceled);
+                self.end(cx, pool, id, Err(e));
+            }
         }
     }
 
-    /// Completion of a serve's RMA.
+    /// Completion of one of a serve's RMA operations.
     pub fn on_rma(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, id: u64, err: Option<Error>) {
+        let Some(s) = self.items.get_mut(id) else { return };
+        s.left = s.left.saturating_sub(1);
         if let Some(e) = err {
+            s.next_op = s.rma.len();
+            s.failed.get_or_insert(e);
+        }
+        if s.left > 0 || s.next_op < s.rma.len() {
+            return;
+        }
+        if let Some(e) = s.failed.take() {
             return self.end(cx, pool, id, Err(e));
         }
-        let Some(s) = self.items.get_mut(id) else { return };
-        let (st, ctx, slot) = (s.stage, s.ctx, s.slot);
-        match st.dir {
+        match s.stage.dir {
             StageDir::Push => self.end(cx, pool, id, Ok(())),
-            StageDir::Pull => match pool.as_mut().map(|p| p.copy(cx.core, ctx, slot, st.dev_addr, st.len as usize, false)) {
-                Some(Ok(ev)) => {
-                    if let Some(s) = self.items.get_mut(id) {
-                        s.phase = Phase::CopyIn(ev);
-                    }
+            StageDir::Pull => {
+                let ranges = s.dev_ranges();
+                match pool.as_mut().map(|p| p.copy(cx.core, s.ctx, s.slot, &ranges, false)) {
+                    Some(Ok(ev)) => s.phase = Phase::CopyIn(ev),
+                    Some(Err(e)) => self.end(cx, pool, id, Err(e)),
+                    None => self.end(cx, pool, id, Err(Error::Backend("no staging pool".into()))),
                 }
-                Some(Err(e)) => self.end(cx, pool, id, Err(e)),
-                None => self.end(cx, pool, id, Err(Error::Backend("no staging pool".into()))),
-            },
+            }
         }
     }
 
@@ -161,11 +238,12 @@ impl Serves {
             let (ev, copy_in) = match &s.phase {
                 Phase::CopyIn(ev) => (ev, true),
                 Phase::CopyOut(ev) => (ev, false),
-                Phase::PostRma { .. } => {
-                    self.post_if_due(cx, pool, owner, id);
+                Phase::Rma => {
+                    if s.next_op < s.rma.len() {
+                        self.post_due(cx, pool, owner, id);
+                    }
                     continue;
                 }
-                Phase::Rma => continue,
             };
             let ready = match cx.core.apply_ctx(&s.ctx).and_then(|_| ev.query().map_err(Error::from)) {
                 Ok(r) => r,
@@ -180,8 +258,8 @@ impl Serves {
             if copy_in {
                 self.end(cx, pool, id, Ok(()));
             } else {
-                s.phase = Phase::PostRma { write: true };
-                self.post_if_due(cx, pool, owner, id);
+                s.phase = Phase::Rma;
+                self.post_due(cx, pool, owner, id);
             }
         }
         self.start(cx, pool, next_key, owner);
