@@ -67,7 +67,7 @@ def config(backend, procs, prog):
 CONFIGS = {c["label"]: c for c in (config(b, p, g) for g in (1, 0) for p in (1, 2)
                                    for b in ("LIBFABRIC", "UCX"))}
 # (repeats R, reposts S) by descriptor count: enough samples for a median, bounded time
-REPS = {"full": lambda n: (9, 5) if n <= 4096 else (7, 5) if n <= 16384 else (5, 4),
+REPS = {"full": lambda n: (9, 5) if n <= 4096 else (5, 4) if n <= 16384 else (3, 3),
         "quick": lambda n: (3, 3)}
 
 
@@ -314,7 +314,8 @@ def table(report):
             title = f"{'one process, two agents' if procs == 1 else 'two processes'}, " \
                     f"progress thread {'on' if prog else 'off'}"
             lines.append(f"\n== {title}" + "".join(
-                f"; {c['label']}: connect {c.get('connect_ms')} ms" for c in (o, u) if c)
+                f"\n   {c['label']}: connect {c.get('connect_ms')} ms; " + first_request(c)
+                for c in (o, u) if c)
                 + "".join(f"\n   {c['label']} FAILED: {c['error']}" for c in (o, u)
                           if c and c.get("error")))
             lines.append(f"{'point':<28} {'create ns/desc':>23} {'first ms':>17} "
@@ -348,6 +349,18 @@ def table(report):
                  "first: post -> DONE of a fresh handle; steady: reposts of it; x = ours / UCX "
                  "(create: lower is better, GB/s: higher is better)")
     return "\n".join(lines)
+
+
+def first_request(c):
+    """The first many-descriptor request of the process (the run's first point, first fresh
+    handle): what a worker's first request pays after the connection exists."""
+    if not c.get("points"):
+        return "no points"
+    p = c["points"][0]
+    return (f"first request of the process ({p['op']} {p['order']} {p['n']} x 4 KiB): create "
+            f"{p['create_ms'][0]} ms, post -> DONE {p['first_ms_r0']} ms; that point's median: "
+            f"create {kc.rnd(p['create_ns_desc'] * p['n'] / 1e6)} ms, first {p['first_ms']} ms, "
+            f"steady {p['steady_ms']} ms")
 
 
 def goals(report):
@@ -454,6 +467,7 @@ def orchestrate(a):
         report["configs"][label] = c
         kc.log(f"{label}: {len(points)} points in {c['seconds']} s")
     report["seconds"] = round(time.time() - t_start, 1)
+    report["loadavg_end"] = os.getloadavg()
     report["table"] = table(report)
     report["goals"] = goals(report)
     print(report["table"])

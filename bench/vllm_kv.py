@@ -14,7 +14,7 @@ processes register every layer tensor (one register_memory call); the decode pro
 ONE descriptor list per side with a descriptor per (layer, K/V, block) of all blocks, once.
 A request of n blocks is then 32 x 2 x n descriptors (16 blocks: 1,024; 256: 16,384):
   decode  picks its destination blocks and the prefill's source blocks (random: like a block
-          allocator after a while, no two neighbours adjacent by design; contiguous: one run),
+          allocator after a while, neighbours in the request not neighbours in memory; contiguous: one run),
           zeroes its destination blocks, then make_prepped_xfer("READ", local_idx, remote_idx,
           notif) (timed: create), transfer (timed: post), polls until DONE (done); the prefill
           side waits for the notification (its arrival, same clock, gives notif_ms); decode
@@ -473,6 +473,8 @@ def summarize(runs, n, variant, layers, reps):
             "notif_ms": kc.rnd(med([x for r in runs for x in r["notif"]]) * 1e3),
             "release_us": kc.rnd(med([r["release"] for r in runs]) * 1e6),
             "e2e_all_ms": [kc.rnd(r["e2e"] * 1e3) for r in runs],
+            "create_all_ms": [kc.rnd(r["create"] * 1e3) for r in runs],
+            "done_all_ms": [kc.rnd(r["done"] * 1e3) for r in runs],
             "verified": not bad, "bad": bad[:4]}
 
 
@@ -521,6 +523,14 @@ def table(report):
         err = report["runs"].get(who, {}).get("error")
         if err:
             lines.append(f"{who} FAILED: {err}")
+    for who in ("LIBFABRIC", "UCX"):
+        pts = report["runs"].get(who, {}).get("points")
+        if pts:
+            p = pts[0]
+            lines.append(f"{who}: first request of the process ({p['blocks']} blocks, "
+                         f"{p['variant']}): create {p['create_all_ms'][0]} ms, post -> DONE "
+                         f"{p['done_all_ms'][0]} ms; that point's median: create {p['create_ms']} "
+                         f"ms, done {p['done_ms']} ms, steady {p['steady_ms']} ms")
     hdr = (f"{'request':<22} {'descs':>6} | {'ours: create ms':>15} {'ns/d':>6} {'post us':>8} "
            f"{'done ms':>8} {'e2e GB/s':>9} {'steady ms':>9} {'1st/st':>6} {'notif ms':>8} | "
            f"{'UCX: create ms':>14} {'ns/d':>6} {'done ms':>8} {'e2e GB/s':>9} {'steady ms':>9} | "
@@ -687,6 +697,7 @@ def orchestrate(a):
         report["runs"][who] = r
         kc.log(f"{who}: {len(points)} points in {r['seconds']} s")
     report["seconds"] = round(time.time() - t_start, 1)
+    report["loadavg_end"] = os.getloadavg()
     report["table"] = table(report)
     report["goals"] = goals(report)
     print(report["table"])
