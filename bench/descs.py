@@ -516,6 +516,8 @@ def main():
     ap.add_argument("--n", type=int)
     ap.add_argument("--fd", type=int)
     a = ap.parse_args()
+    if a.quick and not a.suffix:
+        a.suffix = "-quick"   # a smoke run never replaces the day's full results
     a.ns = a.ns or ("1024,4096" if a.quick else ",".join(map(str, NS)))
     a.orders = a.orders or ("shuffled" if a.quick else ",".join(ORDERS))
     a.configs = a.configs or ("ours-1p,ucx-1p" if a.quick else ",".join(CONFIGS))

@@ -748,6 +748,8 @@ def main():
     ap.add_argument("--backend")
     ap.add_argument("--fd", type=int)
     a = ap.parse_args()
+    if a.quick and not a.suffix:
+        a.suffix = "-quick"   # a smoke run never replaces the day's full results
     d = DEFAULTS[a.mem]
     a.layers = a.layers or d["layers"]
     a.total_blocks = a.total_blocks or d["total_blocks"]
