@@ -11,10 +11,26 @@
 #       1/2/4/8, default and one-process against UCX tcp-only, default and one-process, raw TCP
 #       over 1/2/4/8 streams (ratio table). On the GPU host: RUN_GPU_ONLY=dram bash .gpu/run-gpu.sh
 # Logs of every process: build/bench/<config>.log (probe: <config>.probe.log).
+# `make bench` also runs bench-descs (issue #23, descriptor-heavy requests, bench/descs.py):
+#   make bench-descs                                 make_prepped_xfer create ns/descriptor,
+#       post, first post of a fresh handle vs reposts, GB/s, for 1024-65536 x 4 KiB, shuffled and
+#       adjacent, WRITE and READ, one process and two, progress thread on and off, ours vs UCX
+#       (~8-10 min on 2 cores); bench/results/descs-<date>.json/.png, logs in build/bench/descs
+#   make bench-descs DESCS_ARGS=--quick              smoke (~5 s: one process, 1024/4096)
+#   make bench-vllm-dram                             bench/vllm_kv.py over numpy DRAM (the GPU
+#       script's own code path on this machine: 8 layers x 512 blocks, requests 16/64/256);
+#       the real run is the GPU bundle's: RUN_GPU_ONLY=vllm bash .gpu/run-gpu.sh
+#   make bench-smoke                                 both quick, results under build/bench/smoke
 BENCH_ARGS    ?=
 BENCH_TIMEOUT ?= 1200
+# `make bench BENCH_ARGS=--quick` makes the descriptor benchmark quick too
+DESCS_ARGS    ?= $(if $(findstring --quick,$(BENCH_ARGS)),--quick,)
+DESCS_TIMEOUT ?= 1200
+VLLM_ARGS     ?=
+# Loopback only, as bench/run.sh (every child of the scripts sets it again)
+BENCH_ENV     := FI_TCP_IFACE=lo FI_SOCKETS_IFACE=lo NIXL_FABRIC_IFACE=lo UCX_NET_DEVICES=lo UCX_MODULES='^ib'
 
-.PHONY: bench
+.PHONY: bench bench-descs bench-vllm-dram bench-smoke
 
 # matplotlib is needed only for the PNG, so it is installed here and not by `venv` (the test
 # venv's requirements stay as they are). Without it the run still writes the JSON.
@@ -24,3 +40,16 @@ $(VENV)/.matplotlib.ok: $(VENV)/.ok
 
 bench: build venv $(VENV)/.matplotlib.ok
 	PY=$(PY) timeout -k 10 $(BENCH_TIMEOUT) bash $(ROOT)/bench/run.sh $(BENCH_ARGS)
+	$(MAKE) --no-print-directory bench-descs DESCS_ARGS='$(DESCS_ARGS)'
+
+bench-descs: build venv $(VENV)/.matplotlib.ok
+	$(BENCH_ENV) timeout -k 10 $(DESCS_TIMEOUT) $(PY) $(ROOT)/bench/descs.py $(DESCS_ARGS)
+
+bench-vllm-dram: build venv $(VENV)/.matplotlib.ok
+	$(BENCH_ENV) timeout -k 10 900 $(PY) $(ROOT)/bench/vllm_kv.py --mem dram $(VLLM_ARGS)
+
+# CI smoke of both scripts (about a minute on 2 cores); not part of `make test`
+bench-smoke: build venv
+	$(BENCH_ENV) timeout -k 10 120 $(PY) $(ROOT)/bench/descs.py --quick --out $(BUILD)/bench/smoke
+	$(BENCH_ENV) timeout -k 10 300 $(PY) $(ROOT)/bench/vllm_kv.py --mem dram --quick --requests 16,64 \
+	  --out $(BUILD)/bench/smoke

@@ -3,8 +3,9 @@
 # driver src/cuda/mock_cuda.c (the whole staging path and the seed-bug regression), that
 # one again with four tcp rails (rail threads on the staging path).
 # `make gpu-bundle` packs everything a GPU host needs into .gpu/ (bench/bench.py included, for
-# the DRAM benchmark: RUN_GPU_ONLY=dram); there `bash .gpu/run-gpu.sh` (or `make test-gpu`)
-# runs the real thing.
+# the DRAM benchmark: RUN_GPU_ONLY=dram; bench/vllm_kv.py and bench/descs.py for the
+# descriptor-heavy benchmarks of issue #23: RUN_GPU_ONLY=vllm / descs, run only when named);
+# there `bash .gpu/run-gpu.sh` (or `make test-gpu`) runs the real thing.
 GPU_HARNESS := $(BUILD)/gpu_harness
 MOCK_CUDA   := $(BUILD)/libmockcuda.so
 GPU_BUNDLE  := $(ROOT)/.gpu
@@ -42,6 +43,7 @@ gpu-bundle: build $(GPU_HARNESS)
 	strip --strip-debug $(GPU_BUNDLE)/bin/* $(GPU_BUNDLE)/plugins/*
 	cp tests/gpu/*.py tests/gpu/*.sh $(GPU_BUNDLE)/
 	cp bench/bench.py $(GPU_BUNDLE)/bench.py
+	cp bench/kvcommon.py bench/descs.py bench/vllm_kv.py $(GPU_BUNDLE)/
 	git -C $(ROOT) rev-parse HEAD > $(GPU_BUNDLE)/GIT_REV 2>/dev/null || true
 	test -f $(GPU_BUNDLE)/nixl-cu13.tar.xz || bash ../shared/tools/nixl-runtime.sh $(GPU_BUNDLE)/nixl-cu13.tar.xz 3.12 1.5.1 nixl-cu13
 	test -n "$$(ls $(GPU_BUNDLE)/numpy-*.whl 2>/dev/null)" || python3 -m pip download -q --no-deps --only-binary=:all: \

@@ -14,8 +14,20 @@
 #                                             default and one-process against UCX tcp, default
 #                                             and one-process; raw TCP streams, memcpy.
 #   DRAM_CONFIGS=ours-tcp,ucx-tcp DRAM_BUDGET=420 DRAM_ARGS=--quick   (its knobs)
+#   RUN_GPU_ONLY=vllm bash .gpu/run-gpu.sh    the vLLM KV pattern (vllm_kv.py, ~5-7 min): torch
+#                                             VRAM caches (32 layers x [2, 2048, 16, 8, 128]
+#                                             bf16) in two processes on GPU 0, decode READs
+#                                             16/64/256/1024 blocks with make_prepped_xfer,
+#                                             ours vs UCX, and a torch gather of the same blocks.
+#                                             Needs a torch Python of the bundle's version
+#                                             (3.12): TORCH_PY (default /opt/torch/.venv/bin/python3).
+#   VLLM_BUDGET=420 VLLM_ARGS="--requests 256,1024 --variants random"   (its knobs)
+#   RUN_GPU_ONLY=descs bash .gpu/run-gpu.sh   descriptor-heavy DRAM requests (descs.py, ~5-7 min):
+#                                             make_prepped_xfer ns/descriptor, first vs steady
+#                                             post, ours vs UCX. DESCS_BUDGET=420 DESCS_ARGS=...
+#   vllm and descs run only when named in RUN_GPU_ONLY (benchmarks, not part of a full run).
 # Results of the ipc, vmm and dram sections (JSON, PNG, logs) go to $OUT when it is set, else
-# to the bundle (dram: $OUT/dram).
+# to the bundle (dram: $OUT/dram, vllm: $OUT/vllm, descs: $OUT/descs).
 set -u
 B=$(cd "$(dirname "$0")" && pwd)
 export FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo NIXL_FABRIC_PROVIDER=tcp
@@ -24,6 +36,7 @@ export NIXL_FABRIC_SAME_HOST_SHM=false
 rc=0
 section() { echo; echo "===== $*"; }
 want() { [ -z "${RUN_GPU_ONLY:-}" ] || [[ ",$RUN_GPU_ONLY," == *",$1,"* ]]; }
+named() { [[ ",${RUN_GPU_ONLY:-}," == *",$1,"* ]]; }
 SITE=/tmp/nixl/site
 nixl_runtime() {   # the stock agent (nixl-cu13) and numpy, unpacked once
   [ -d "$SITE/nixl_cu13" ] && return 0
@@ -164,6 +177,54 @@ if want dram && [ -f "$B/bench.py" ]; then
     --budget "$BUDGET" --plugin "$B/plugins/libplugin_LIBFABRIC.so" --out "$R" --logdir "$R/logs" \
     --suffix=-gpu-dram ${DRAM_ARGS:-} > "$R/dram.log" 2>&1 || rc=1
   cat "$R/dram.log"
+  ls "$R"
+fi
+if named vllm; then
+  section "vLLM KV pattern, two processes on one GPU (vllm_kv.py): ours vs UCX, torch gather"
+  nixl_runtime
+  R=${OUT:-$B}/vllm; mkdir -p "$R/logs"
+  TP=${TORCH_PY:-/opt/torch/.venv/bin/python3}
+  BUDGET=${VLLM_BUDGET:-420}
+  # the Python version the bundle's nixl-cu13 was built for (its _bindings.cpython-3XX-...so)
+  NV=$(ls "$SITE"/nixl_cu13/_bindings*.so 2>/dev/null | sed -n 's/.*cpython-\([0-9]\)\([0-9]*\)-.*/\1.\2/p' | head -1)
+  TV=$("$TP" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+  if [ ! -x "$TP" ]; then
+    echo "vllm: no torch Python at $TP (set TORCH_PY)"; rc=1
+  elif [ -n "$NV" ] && [ "$TV" != "$NV" ]; then
+    echo "vllm: $TP is Python $TV, the bundle's nixl-cu13 is built for $NV"; rc=1
+  else
+    # The torch venv may bring its own numpy: then give it the stock agent without the
+    # bundle's numpy (one numpy per process, the one torch was built with).
+    PP=$SITE
+    if env -u PYTHONPATH "$TP" -c 'import numpy' 2>/dev/null; then
+      PP=/tmp/nixl/site-torch
+      if [ ! -d "$PP" ]; then
+        mkdir -p "$PP"
+        for e in "$SITE"/* "$SITE"/.[!.]*; do
+          case $(basename "$e") in numpy|numpy-*|numpy.libs) ;; *) ln -s "$e" "$PP/" ;; esac
+        done
+      fi
+    fi
+    PYTHONPATH="$PP" "$TP" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())' 2>&1 | tail -1
+    # same-host paths on (the default): the exports above are for the other sections
+    env -u NIXL_FABRIC_SAME_HOST_SHM -u NIXL_FABRIC_PROVIDER -u NIXL_PLUGIN_DIR PYTHONPATH="$PP" \
+      timeout -k 10 $((BUDGET + 90)) "$TP" "$B/vllm_kv.py" --mem vram --budget "$BUDGET" \
+      --plugin "$B/plugins/libplugin_LIBFABRIC.so" --out "$R" --logdir "$R/logs" ${VLLM_ARGS:-} \
+      > "$R/vllm.log" 2>&1 || rc=1
+    grep -v "NIXL INFO" "$R/vllm.log" | tail -60
+    ls "$R"
+  fi
+fi
+if named descs && [ -f "$B/descs.py" ]; then
+  section "descriptor-heavy DRAM requests (descs.py): make_prepped_xfer per descriptor, first vs steady, ours vs UCX"
+  nixl_runtime
+  R=${OUT:-$B}/descs; mkdir -p "$R/logs"
+  BUDGET=${DESCS_BUDGET:-420}
+  env -u NIXL_FABRIC_SAME_HOST_SHM -u NIXL_FABRIC_PROVIDER -u NIXL_PLUGIN_DIR UCX_NET_DEVICES=lo \
+    timeout -k 10 $((BUDGET + 60)) python3 "$B/descs.py" --budget "$BUDGET" \
+    --plugin "$B/plugins/libplugin_LIBFABRIC.so" --out "$R" --logdir "$R/logs" --suffix=-gpu-host \
+    ${DESCS_ARGS:-} > "$R/descs.log" 2>&1 || rc=1
+  grep -v "NIXL INFO" "$R/descs.log" | tail -80
   ls "$R"
 fi
 if want lf2 && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
