@@ -57,6 +57,8 @@ tunables! {
         "longest sleep of an idle progress thread between passes (the agent's pthrDelay); 0 = 1000";
     striping_threshold: u64 = Size, "1048576", "NIXL_FABRIC_STRIPING_THRESHOLD",
         "descriptors of at least this many bytes are split across all rails";
+    notif_rail0_bytes: u64 = Size, "65536", "NIXL_FABRIC_NOTIF_RAIL0_BYTES",
+        "requests to a peer over the network rails of at most this many bytes (all descriptors together) go on rail 0, the control endpoint, where a provider that orders a send after writes (FI_ORDER_SAW: tcp, sockets) lets their notification follow the data at once instead of after a flush read's round trip; larger ones, and every one with 0, are spread over the rails";
     timeout_ms: u64 = U64, "5000", "NIXL_FABRIC_TIMEOUT_MS",
         "a request with no completion for this long fails with NIXL_ERR_REMOTE_DISCONNECT; also bounds every internal wait";
     max_notif_size: u64 = Size, "65536", "NIXL_FABRIC_MAX_NOTIF_SIZE",
@@ -183,6 +185,7 @@ impl Config {
             caller_progress: true,
             progress_delay_us: 0,
             striping_threshold: 0,
+            notif_rail0_bytes: 0,
             timeout_ms: 0,
             max_notif_size: 0,
             ctrl_recv_count: 0,
