@@ -421,7 +421,7 @@ impl Driver {
     /// the flush reads; and finishing steps that may start already do (flush reads posted
     /// behind the writes on the same endpoint).
     fn all_started(&mut self, req: &Arc<Request>, st: &mut ReqState) {
-        if st.error.is_some() || st.cancelled {
+        if st.error.is_some() || st.cancelled || !self.core.cfg.notif_behind_data {
             return;
         }
         let epoch = st.epoch;

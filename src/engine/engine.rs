@@ -169,7 +169,8 @@ impl Engine {
         };
         let rail_threads = rail_threads::RailThreads::start(&core, &threaded_rails);
         for (i, r) in rails.iter().enumerate() {
-            let threaded = threaded_rails.iter().any(|t| t.index == i);
+            // (With notif_behind_data off every rail behaves as one with a thread.)
+            let threaded = threaded_rails.iter().any(|t| t.index == i) || !core.cfg.notif_behind_data;
             log::info!("{name}: rail {i}: {}", transport::rma::delivery_mode(&r.caps, i, threaded));
         }
         drop(threaded_rails);
@@ -607,8 +608,17 @@ impl Engine {
     }
 
     pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
-        if !self.threaded && !self.shut.load(Ordering::Acquire) {
+        if self.shut.load(Ordering::Acquire) {
+            return self.core.take_notifs();
+        }
+        if !self.threaded {
             self.lock_driver().pass();
+        } else {
+            // A target spinning on getNotifs (the other half of a WRITE timed until its
+            // notification is seen) receives it on its own thread, as a poller of its own
+            // request does in check(): else the notification waits for the progress
+            // thread's turn on the cores.
+            self.caller_pass();
         }
         self.core.take_notifs()
     }

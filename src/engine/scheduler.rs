@@ -172,7 +172,8 @@ pub fn plan(inp: &Inputs, target: &Target, pairs: &[Pair], reach: &dyn Reach) ->
 fn rail0_request(inp: &Inputs, target: &Target, pairs: &[Pair]) -> bool {
     let Target::Peer(peer) = target else { return false };
     let bytes: u64 = pairs.iter().map(|p| p.local.1).sum();
-    bytes <= inp.cfg.notif_rail0_bytes
+    inp.cfg.notif_behind_data
+        && bytes <= inp.cfg.notif_rail0_bytes
         && inp.shapes.first().is_some_and(|s| s.order_saw)
         && peer.route.first().is_some_and(|p| p.rail == 0 && p.rrail == 0)
 }
