@@ -13,9 +13,10 @@
                      [--iters 1000] [--plugin-dir DIR] [--out FILE.json]
 
 Configurations: ours-tcp (provider tcp on lo, one rail, same-host shm off, progress threads
-on), ours-tcp-flush (the same with notif_behind_data=false: the notification after a flush
+on), ours-tcp-before (the same with the plugin in --before-dir), ours-tcp-flush (the same with notif_behind_data=false: the notification after a flush
 read, as before FI_ORDER_SAW was used), ours-tcp-r4 (four rails), ucx-tcp (UCX_TLS=tcp,self),
-ucx (as shipped), stock-libfabric (the wheel's LIBFABRIC; needs libfabric main, libcudart and
+ucx-tcp-noprog (the agent's progress thread off, so UCX progresses in every poll), ucx (as
+shipped), stock-libfabric (the wheel's LIBFABRIC; needs libfabric main, libcudart and
 a non-loopback interface, see /work/shared/tools/README.md). Medians in microseconds; every
 point byte-checked (the destination's CRC at the end of the point).
 """
@@ -46,9 +47,14 @@ def ours(rails=1, **extra):
 CONFIGS = {
     "ours-tcp": ours(),
     "ours-tcp-flush": ours(NIXL_FABRIC_NOTIF_BEHIND_DATA="false"),
+    # ours-tcp with another build of the plugin (--before-dir), e.g. the commit before a change
+    "ours-tcp-before": ours(NIXL_PLUGIN_DIR="@before"),
     "ours-tcp-r4": ours(4),
     "ours-tcp-r4-flush": ours(4, NIXL_FABRIC_NOTIF_BEHIND_DATA="false"),
     "ucx-tcp": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None, "UCX_TLS": "tcp,self"}},
+    # UCX without the agent's progress thread: every poll progresses the worker itself.
+    "ucx-tcp-noprog": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None, "UCX_TLS": "tcp,self",
+                                                 "BENCH_AGENT_PROG_THREAD": "0"}},
     "ucx": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None}},
     "stock-libfabric": {"backend": "LIBFABRIC", "env": {"NIXL_PLUGIN_DIR": None}},
 }
@@ -82,7 +88,8 @@ def make_agent(name, backend):
             continue
     else:
         raise SystemExit("no NIXL python module")
-    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=[]))
+    prog = os.environ.get("BENCH_AGENT_PROG_THREAD", "1") != "0"
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=prog, backends=[]))
     agent.create_backend(backend, {})
     return agent
 
@@ -102,6 +109,8 @@ class Side:
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
         self.reg = self.agent.register_memory([(self.addr, SPAN, 0, "")], "DRAM")
         self.raddr = None
+        # Notifications from the peer seen but not yet waited for (they may come together).
+        self.credit = 0
 
     def meta(self):
         return f"{self.agent.get_agent_metadata().hex()} {self.addr}"
@@ -134,7 +143,9 @@ class Side:
         while True:
             if st == "PROC":
                 st = self.agent.check_xfer_state(h)
-            if self.agent.get_new_notifs().get(self.peer):
+            self.credit += len(self.agent.get_new_notifs().get(self.peer, []))
+            if self.credit > 0:
+                self.credit -= 1
                 return st
             if time.perf_counter() - t0 > 30:
                 raise TimeoutError("notification not seen after 30 s")
@@ -154,6 +165,8 @@ def role_b(backend):
             n, count = int(cmd[1]), int(cmd[2])
             s.buf[SPAN // 2: SPAN // 2 + n] = pattern(n, 2)
             h = s.handle("WRITE", n, SPAN // 2, SPAN // 2)
+            s.agent.get_new_notifs()
+            s.credit = 0
             say(sys.stdout, "READY")
             st = "DONE"
             for _ in range(count):
@@ -199,10 +212,15 @@ def role_a(backend, sizes, iters, warmup):
                 times.append((time.perf_counter() - t0) / 2)
         s.done(h, st)
         hear(child.stdout, "PONGED")
+        if s.credit:
+            raise RuntimeError(f"{s.credit} notifications more than answers")
         ok = (int(hear_crc(child, 0, n)) == zlib.crc32(pattern(n, 1))
               and bytes(s.buf[SPAN // 2: SPAN // 2 + n]) == pattern(n, 2))
         res.append(point("WRITE until notified", n, times, ok))
-        # WRITE until DONE (initiator's view), same handle, no notification.
+        # WRITE until DONE (initiator's view), a handle without notification (a reposted one
+        # may keep its last notification).
+        s.agent.release_xfer_handle(h)
+        h = s.handle("WRITE", n)
         times = []
         for i in range(warmup + iters):
             t0 = time.perf_counter()
@@ -259,7 +277,7 @@ def orchestrate(args):
             if v is None:
                 env.pop(k, None)
             else:
-                env[k] = args.plugin_dir if v == "@plugins" else v
+                env[k] = {"@plugins": args.plugin_dir, "@before": args.before_dir}.get(v, v)
         log(f"{c}: running")
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--role", "a", "--backend", cfg["backend"],
                             "--sizes", ",".join(map(str, args.sizes)), "--iters", str(args.iters),
@@ -302,6 +320,7 @@ def main():
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--plugin-dir", default=os.path.join(ROOT, "build", "plugins"))
+    ap.add_argument("--before-dir", help="plugin folder of ours-tcp-before")
     ap.add_argument("--logs", help="folder for each configuration's stderr")
     ap.add_argument("--out")
     args = ap.parse_args()
