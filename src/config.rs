@@ -52,11 +52,15 @@ tunables! {
     progress_thread: bool = Bool, "true", "NIXL_FABRIC_PROGRESS_THREAD",
         "run a progress thread; off means progress happens in check/notification calls";
     caller_progress: bool = Bool, "true", "NIXL_FABRIC_CALLER_PROGRESS",
-        "with the progress thread on, a status check of a running request also makes a progress pass on the caller's thread when the rails are free (not while CUDA contexts are registered); the thread naps while callers do this";
+        "with the progress thread on, a status check of a running request, and a notification poll (getNotifs), also make a progress pass on the caller's thread when the rails are free (not while CUDA contexts are registered); the thread naps while callers do this";
     progress_delay_us: u64 = U64, "0", "NIXL_FABRIC_PROGRESS_DELAY_US",
         "longest sleep of an idle progress thread between passes (the agent's pthrDelay); 0 = 1000";
     striping_threshold: u64 = Size, "1048576", "NIXL_FABRIC_STRIPING_THRESHOLD",
         "descriptors of at least this many bytes are split across all rails";
+    notif_rail0_bytes: u64 = Size, "65536", "NIXL_FABRIC_NOTIF_RAIL0_BYTES",
+        "requests to a peer over the network rails of at most this many bytes (all descriptors together) go on rail 0, the control endpoint, where a provider that orders a send after writes (FI_ORDER_SAW: tcp, sockets) lets their notification follow the data at once instead of after a flush read's round trip; larger ones, and every one with 0, are spread over the rails";
+    notif_behind_data: bool = Bool, "true", "NIXL_FABRIC_NOTIF_BEHIND_DATA",
+        "where rail 0 orders a send after writes at both ends (FI_ORDER_SAW: tcp, sockets), a notification whose data all went on rail 0 is sent right behind it, and flush reads right behind the writes on rails the progress thread posts to; off: a notification waits for the flush reads (or delivery-complete writes), and a flush read for its writes' completions";
     timeout_ms: u64 = U64, "5000", "NIXL_FABRIC_TIMEOUT_MS",
         "a request with no completion for this long fails with NIXL_ERR_REMOTE_DISCONNECT; also bounds every internal wait";
     max_notif_size: u64 = Size, "65536", "NIXL_FABRIC_MAX_NOTIF_SIZE",
@@ -187,6 +191,8 @@ impl Config {
             caller_progress: true,
             progress_delay_us: 0,
             striping_threshold: 0,
+            notif_rail0_bytes: 0,
+            notif_behind_data: true,
             timeout_ms: 0,
             max_notif_size: 0,
             ctrl_recv_count: 0,

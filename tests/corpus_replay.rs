@@ -158,7 +158,7 @@ fn rail(p: &str, addr: Vec<u8>) -> RailAddr {
 }
 
 fn conn(engine_id: u64, agent: &str, rails: Vec<RailAddr>) -> ConnInfo {
-    ConnInfo { engine_id, host_id: *b"0123456789abcdef", agent: agent.into(), rails, process: None }
+    ConnInfo { engine_id, host_id: *b"0123456789abcdef", agent: agent.into(), rails, process: None, rail0_saw: false }
 }
 
 fn mem(flags: u8, mem_type: u8, base: u64, len: u64, keys: Vec<u64>) -> MemDesc {

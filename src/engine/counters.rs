@@ -17,6 +17,8 @@ macro_rules! counters {
 counters!(Counters => CounterSnapshot {
     bytes_written, bytes_read, ops_posted, ops_completed, ops_failed, retries,
     requests_posted, requests_completed, requests_failed, notifs_sent, notifs_received,
+    // Notifications sent right behind their data (FI_ORDER_SAW; not in the C struct).
+    notifs_ordered,
     progress_passes, cuda_ctx_applies,
     gpu_direct_bytes, gpu_ipc_opens, gpu_ipc_closes, gpu_batch_calls, gpu_copy_calls,
     gpu_kernel_launches, cma_bytes, stage_requests, stage_served,

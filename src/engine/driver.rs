@@ -403,6 +403,7 @@ impl Driver {
             }
             if st.next >= req.segs.len() {
                 self.to_post.pop_front();
+                self.all_started(&req, &mut st);
                 if st.outstanding == 0 {
                     self.data_done(&req, &mut st);
                 }
@@ -413,6 +414,65 @@ impl Driver {
             }
             drop(st);
             self.apply_outcomes();
+        }
+    }
+
+    /// Every segment of the post has started. Where every transport's data is ordered before
+    /// a send on the control endpoint (Transport::notif_follows), the notification goes
+    /// now, right behind the data, as one more piece of the data phase, instead of after
+    /// the flush reads; and finishing steps that may start already do (flush reads posted
+    /// behind the writes on the same endpoint).
+    fn all_started(&mut self, req: &Arc<Request>, st: &mut ReqState) {
+        if st.error.is_some() || st.cancelled || !self.core.cfg.notif_behind_data {
+            return;
+        }
+        let epoch = st.epoch;
+        if let (Some(peer), true) = (req.peer().cloned(), st.notif.is_some()) {
+            let cx = cx!(self);
+            if self.transports.iter().all(|t| t.notif_follows(&cx, req)) {
+                let msg = st.notif.take().unwrap_or_default();
+                match self.send_ctrl(&peer, CtrlType::Notif, &msg, Some((req.clone(), epoch))) {
+                    Ok(()) => {
+                        st.marks.notif_ahead = true;
+                        st.outstanding += 1;
+                        add(&self.core.counters.notifs_ordered, 1);
+                    }
+                    Err(e) => {
+                        st.error.get_or_insert(e);
+                        return;
+                    }
+                }
+            }
+        }
+        let mut extra = 0;
+        for t in self.transports.iter_mut() {
+            extra += t.finish_early(&mut cx!(self), req, epoch, &mut st.marks);
+        }
+        st.outstanding += extra;
+    }
+
+    /// A notification's send of post `epoch` ended with `res`: in the notification phase
+    /// that ends the post; sent behind its data (Marks::notif_ahead), it is a piece of the
+    /// data phase.
+    fn notif_ended(&mut self, req: &Arc<Request>, epoch: u64, res: Result<()>) {
+        let mut st = req.state();
+        if st.epoch != epoch {
+            return;
+        }
+        match st.phase {
+            Phase::Notif => self.complete(req, &mut st, res),
+            Phase::Data if st.marks.notif_ahead => {
+                st.marks.notif_ahead = false;
+                st.outstanding = st.outstanding.saturating_sub(1);
+                st.last_progress = Instant::now();
+                if let Err(e) = res {
+                    st.error.get_or_insert(e);
+                }
+                if st.outstanding == 0 && st.next >= req.segs.len() {
+                    self.data_done(req, &mut st);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -516,10 +576,7 @@ impl Driver {
         for (done, e) in failed {
             log::error!("{}: sending a control message failed: {e}", self.core.name);
             if let Some((req, epoch)) = done {
-                let mut st = req.state();
-                if st.epoch == epoch && st.phase == Phase::Notif {
-                    self.complete(&req, &mut st, Err(e));
-                }
+                self.notif_ended(&req, epoch, Err(e));
             }
         }
     }
@@ -583,11 +640,9 @@ impl Driver {
                     add(&self.core.counters.notifs_sent, 1);
                 }
                 if let Some((req, epoch)) = req {
-                    let mut st = req.state();
-                    if st.epoch == epoch && st.phase == Phase::Notif {
-                        let res = err.map_or(Ok(()), |e| Err(super::request::flushed_as_disconnect(e, st.cancelled)));
-                        self.complete(&req, &mut st, res);
-                    }
+                    let cancelled = req.state().cancelled;
+                    let res = err.map_or(Ok(()), |e| Err(super::request::flushed_as_disconnect(e, cancelled)));
+                    self.notif_ended(&req, epoch, res);
                 } else if let Some(e) = err {
                     log::error!("{}: control message failed: {e}", self.core.name);
                 }

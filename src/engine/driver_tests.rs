@@ -38,6 +38,7 @@ fn post(inbox: &Inbox<Driver>, req: &Arc<Request>, notif: Option<&[u8]>) {
         st.error = None;
         st.flushing = false;
         st.marks.unflushed = 0;
+        st.marks.notif_ahead = false;
         st.phase = Phase::Data;
         st.last_progress = Instant::now();
     }
@@ -149,4 +150,101 @@ fn a_peer_that_never_answers_times_out_and_a_notification_arrives_once() {
     d.pass();
     assert_eq!(b.core.take_notifs(), vec![("peer1".to_string(), b"hi".to_vec())]);
     assert!(b.fakes[0].accepted().is_empty(), "nothing was posted: a refused post is never counted as sent");
+}
+
+/// The rail's posts in order without the other control sends (HELLO, KICKs): W write, R
+/// read, N notification.
+fn data_order(f: &FakePort) -> String {
+    f.order().chars().filter(|&c| c != 'C').collect()
+}
+
+#[test]
+fn where_rail_0_orders_sends_after_writes_the_notification_goes_right_behind_the_data() {
+    let src: Vec<u8> = (0..(32 << 10)).map(|i| (i % 239) as u8).collect();
+    // One rail that orders sends (and reads) after writes: writes, the notification, the
+    // flush read, all posted before any completion is read.
+    let mut b = Bench::ordered(1);
+    let peer = b.peer(1, Locality::Remote);
+    b.conns.peers.clear();
+    let (mut d, inbox) = driver(&b);
+    let mut dst = vec![0u8; src.len()];
+    let req = Arc::new(Request::new(Op::Write, Target::Peer(peer), segs(&src, &mut dst, 8, 1), Vec::new(), Vec::new(), Vec::new()));
+    post(&inbox, &req, Some(b"behind"));
+    d.pass();
+    assert_eq!(data_order(&b.fakes[0]), "WWNR", "one pass posts everything");
+    assert_eq!(req.status(), Status::NF_IN_PROG, "not done before the completions are read");
+    assert_eq!(until_done(&mut d, &req), Status::NF_SUCCESS);
+    assert_eq!(dst, src);
+    assert_eq!(notifs_sent(&b.fakes[0]), vec![b"behind".to_vec()]);
+    assert_eq!(b.core.counters.notifs_ordered.load(std::sync::atomic::Ordering::Relaxed), 1);
+    // Without a notification: the flush read goes right behind the writes all the same.
+    post(&inbox, &req, None);
+    assert_eq!(until_done(&mut d, &req), Status::NF_SUCCESS);
+    assert_eq!(data_order(&b.fakes[0]), "WWNRWWR");
+
+    // A provider without FI_ORDER_SAW, a peer that does not say so, or data on a second
+    // rail: the notification waits for the flush reads' completions.
+    let plain = |b: &mut Bench, peer: Arc<super::peer::Peer>, rails: usize| {
+        b.conns.peers.clear();
+        let (mut d, inbox) = driver(b);
+        let mut dst = vec![0u8; src.len()];
+        let req = Arc::new(Request::new(Op::Write, Target::Peer(peer), segs(&src, &mut dst, 8, rails), Vec::new(), Vec::new(), Vec::new()));
+        post(&inbox, &req, Some(b"after"));
+        assert_eq!(until_done(&mut d, &req), Status::NF_SUCCESS);
+        assert_eq!(dst, src);
+        assert_eq!(b.core.counters.notifs_ordered.load(std::sync::atomic::Ordering::Relaxed), 0);
+        data_order(&b.fakes[0])
+    };
+    let mut b = Bench::new(1, true);
+    let peer = b.peer(1, Locality::Remote);
+    assert_eq!(plain(&mut b, peer, 1), "WWRN", "no SAW: flush, then notification");
+    let mut b = Bench::ordered(1);
+    let peer = b.peer_with(1, Locality::Remote, false);
+    assert_eq!(plain(&mut b, peer, 1), "WWRN", "the peer's rail 0 does not order sends");
+    let mut b = Bench::ordered(2);
+    let peer = b.peer(1, Locality::Remote);
+    assert_eq!(plain(&mut b, peer, 2), "WRN", "data on rail 1 too");
+    assert_eq!(data_order(&b.fakes[1]), "WR");
+}
+
+#[test]
+fn a_notification_behind_data_survives_eagain_storms_and_reordering_and_a_failed_post_sends_none() {
+    let src: Vec<u8> = (0..(64 << 10)).map(|i| (i % 233) as u8).collect();
+    let mut b = Bench::ordered(1);
+    let peer = b.peer(1, Locality::Remote);
+    b.conns.peers.clear();
+    let (mut d, inbox) = driver(&b);
+    let mut dst = vec![0u8; src.len()];
+    let req = Arc::new(Request::new(Op::Write, Target::Peer(peer), segs(&src, &mut dst, 16, 1), Vec::new(), Vec::new(), Vec::new()));
+    // Refusals before the writes, between them, on the notification and on the flush read;
+    // completions newest first and late.
+    b.fakes[0].script(&[Answer::Accept, Answer::Again, Answer::Accept, Answer::Again, Answer::Accept, Answer::Accept, Answer::Again, Answer::Accept, Answer::Again]);
+    b.fakes[0].storm(3);
+    b.fakes[0].disorder(true, 2);
+    post(&inbox, &req, Some(b"one"));
+    assert_eq!(until_done(&mut d, &req), Status::NF_SUCCESS);
+    assert_eq!(dst, src);
+    assert_eq!(notifs_sent(&b.fakes[0]), vec![b"one".to_vec()], "exactly once");
+    assert_eq!(data_order(&b.fakes[0]), "WWWWNR", "every write once, then the notification, then the flush");
+
+    // A write's post fails: no notification at all, and a repost works.
+    dst.iter_mut().for_each(|x| *x = 0);
+    b.fakes[0].disorder(false, 0);
+    b.fakes[0].script(&[Answer::Accept, Answer::Fail]);
+    post(&inbox, &req, Some(b"never"));
+    let s = until_done(&mut d, &req);
+    assert!(s != Status::NF_SUCCESS && s != Status::NF_IN_PROG, "{}", s.name());
+    assert_eq!(notifs_sent(&b.fakes[0]), vec![b"one".to_vec()], "no notification for a failed post");
+    post(&inbox, &req, Some(b"two"));
+    assert_eq!(until_done(&mut d, &req), Status::NF_SUCCESS);
+    assert_eq!(dst, src);
+    assert_eq!(notifs_sent(&b.fakes[0]), vec![b"one".to_vec(), b"two".to_vec()]);
+
+    // The notification's own post fails (after every write was posted): the request fails.
+    let before = b.fakes[0].order().len();
+    b.fakes[0].script(&[Answer::Accept, Answer::Accept, Answer::Accept, Answer::Accept, Answer::Fail]);
+    post(&inbox, &req, Some(b"lost"));
+    let s = until_done(&mut d, &req);
+    assert!(s != Status::NF_SUCCESS && s != Status::NF_IN_PROG, "{}", s.name());
+    assert!(b.fakes[0].order()[before..].contains('R'), "its writes were still flushed before it ended");
 }

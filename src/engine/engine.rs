@@ -128,12 +128,14 @@ impl Engine {
             agent: name.to_string(),
             rails: rails.iter().map(|r| RailAddr { provider: r.caps.prov_name.clone(), addr: r.name.clone() }).collect(),
             process: Some(token.info()),
+            rail0_saw: rails[0].caps.order_saw,
         };
         let shapes = rails.iter().map(|r| RailShape {
             max_msg: r.caps.max_msg_size.max(4096),
             virt_addr: r.caps.virt_addr,
             hmem: r.caps.hmem,
             provider: r.caps.prov_name.clone(),
+            order_saw: r.caps.order_saw,
         }).collect();
         let closeq: SharedCloseQueue = Arc::new(Mutex::new(CloseQueue::default()));
         let threaded = cfg.progress_thread;
@@ -166,6 +168,11 @@ impl Engine {
             None
         };
         let rail_threads = rail_threads::RailThreads::start(&core, &threaded_rails);
+        for (i, r) in rails.iter().enumerate() {
+            // (With notif_behind_data off every rail behaves as one with a thread.)
+            let threaded = threaded_rails.iter().any(|t| t.index == i) || !core.cfg.notif_behind_data;
+            log::info!("{name}: rail {i}: {}", transport::rma::delivery_mode(&r.caps, i, threaded));
+        }
         drop(threaded_rails);
         log::info!(
             "{name}: engine {engine_id:016x} up with {count} rail(s) on {} (libfabric {}); progress thread {}",
@@ -381,7 +388,7 @@ impl Engine {
 
     fn own_info(&self) -> ConnInfo {
         // Our own blob always decodes (we encoded it).
-        ConnInfo::decode(&self.core.conn_info).unwrap_or(ConnInfo { engine_id: 0, host_id: [0; 16], agent: String::new(), rails: Vec::new(), process: None })
+        ConnInfo::decode(&self.core.conn_info).unwrap_or(ConnInfo { engine_id: 0, host_id: [0; 16], agent: String::new(), rails: Vec::new(), process: None, rail0_saw: false })
     }
 
     fn peer(&self, name: &str) -> Result<Arc<Peer>> {
@@ -525,6 +532,7 @@ impl Engine {
             st.error = None;
             st.cancelled = false;
             st.marks.unflushed = 0;
+            st.marks.notif_ahead = false;
             st.flushing = false;
             st.phase = Phase::Data;
             st.last_progress = Instant::now();
@@ -625,8 +633,17 @@ impl Engine {
     }
 
     pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
-        if !self.threaded && !self.shut.load(Ordering::Acquire) {
+        if self.shut.load(Ordering::Acquire) {
+            return self.core.take_notifs();
+        }
+        if !self.threaded {
             self.lock_driver().pass();
+        } else {
+            // A target spinning on getNotifs (the other half of a WRITE timed until its
+            // notification is seen) receives it on its own thread, as a poller of its own
+            // request does in check(): else the notification waits for the progress
+            // thread's turn on the cores.
+            self.caller_pass();
         }
         self.core.take_notifs()
     }

@@ -135,6 +135,9 @@ pub struct Marks {
     /// epoch): they write into registered memory with no provider in between, so a
     /// release or repost waits for them even when the peer is gone.
     pub local_copies: usize,
+    /// The post's notification went out right behind its data (Transport::notif_follows):
+    /// its send is one more outstanding piece of the data phase.
+    pub notif_ahead: bool,
 }
 
 pub struct Request {

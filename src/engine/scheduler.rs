@@ -36,6 +36,9 @@ pub struct RailShape {
     pub virt_addr: bool,
     pub hmem: bool,
     pub provider: String,
+    /// The rail orders a send after writes (RailCaps::order_saw): on rail 0, a notification
+    /// can follow its data at once.
+    pub order_saw: bool,
 }
 
 /// What the scheduler may learn about same-host memory, and the one side effect a route
@@ -103,6 +106,15 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
         return Err(Error::InvalidParam("request has no descriptors".into()));
     }
     let stripe = inp.cfg.striping_threshold.max(1);
+    // A request small enough to stay on rail 0 has few descriptors: those are read ahead
+    // to sum their bytes (rail0_request); longer lists are read as they go.
+    let (pairs, small): (Box<dyn Iterator<Item = Result<Pair<'a>>> + '_>, bool) = if count <= RAIL0_MAX_DESCS {
+        let v = pairs.collect::<Result<Vec<Pair>>>()?;
+        let small = rail0_request(inp, target, &v);
+        (Box::new(v.into_iter().map(Ok)), small)
+    } else {
+        (Box::new(pairs), false)
+    };
     let mut segs = seg_list(count);
     let mut keeps: Vec<Keep> = Vec::new();
     let mut fill = ChunkFill::default();
@@ -161,8 +173,8 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
                 // (H200 host, tcp, 4096 x 4 KiB WRITE: 1.37 GB/s on one rail, 0.55 on two).
                 let route = &peer.route;
                 let n = route.len();
-                let pieces = if ll >= stripe && n > 1 { n as u64 } else { 1 };
-                let first = if pieces == 1 { (inp.rr_base + i * n / count) % n } else { 0 };
+                let pieces = if ll >= stripe && n > 1 && !small { n as u64 } else { 1 };
+                let first = if small || pieces > 1 { 0 } else { (inp.rr_base + i * n / count) % n };
                 let piece = ll.div_ceil(pieces).next_multiple_of(4096);
                 let (mut off, mut j) = (0, 0);
                 while off < ll {
@@ -249,6 +261,22 @@ fn resolve(inp: &Inputs, reach: &dyn Reach, target: &Target, mems: (&Arc<LocalMe
             Err(Error::InvalidParam(format!("remote descriptor {i} is our own memory, but the request targets agent '{peer_name}'")))
         }
     }
+}
+
+/// Most descriptors a request that rail0_request can pick has (64 KiB in blocks of 256 B).
+const RAIL0_MAX_DESCS: usize = 256;
+
+/// Whether a request stays on the control endpoint pair (our rail 0 to the peer's rail 0)
+/// instead of taking its turn in the round-robin: it is small (config `notif_rail0_bytes`)
+/// and rail 0 orders a send after writes, so its notification can follow the data at once
+/// (transport::rma::notif_behind) instead of after a flush read's round trip.
+fn rail0_request(inp: &Inputs, target: &Target, pairs: &[Pair]) -> bool {
+    let Target::Peer(peer) = target else { return false };
+    let bytes: u64 = pairs.iter().map(|p| p.local.1).sum();
+    inp.cfg.notif_behind_data
+        && bytes <= inp.cfg.notif_rail0_bytes
+        && inp.shapes.first().is_some_and(|s| s.order_saw)
+        && peer.route.first().is_some_and(|p| p.rail == 0 && p.rrail == 0)
 }
 
 /// Host-to-host copies between engines of this process: a large request goes over the CMA
@@ -410,7 +438,7 @@ mod tests {
     }
 
     fn shapes(n: usize) -> Vec<RailShape> {
-        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, hmem: false, provider: "tcp".into() }).collect()
+        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, hmem: false, provider: "tcp".into(), order_saw: false }).collect()
     }
 
     fn mem(engine: u64, base: u64, len: u64, rails: usize) -> Arc<LocalMem> {
@@ -425,6 +453,7 @@ mod tests {
             agent: format!("p{id}"),
             rails: (0..rails).map(|_| RailAddr { provider: "tcp".into(), addr: vec![0] }).collect(),
             process: Some(ProcessInfo { pid: std::process::id(), token_addr: 0, token: [0; 16] }),
+            rail0_saw: true,
         };
         let route = (0..rails).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
         Arc::new(Peer::new(id, &format!("p{id}"), info, Vec::new(), route, true, cma, local))
@@ -491,6 +520,35 @@ mod tests {
         let edge = [Pair { local: (0x10_0000 + (64 << 20) - 4096, 4096, &l), remote: (0x900_0000 + (64 << 20) - 4096, 4096, &r) },
                     Pair { local: (0x10_0000 + (64 << 20), 4096, &l2), remote: (0x900_0000 + (64 << 20), 4096, &r2) }];
         assert_eq!(run(&cfg, 1, &Target::Peer(p), &edge, &Nothing(None)).unwrap().segs.len(), 2);
+    }
+
+    #[test]
+    fn small_requests_stay_on_rail_0_where_it_orders_a_notification_behind_data() {
+        let cfg = Config::defaults();
+        let p = peer(1, 4, Locality::Remote, false);
+        let l = mem(ME, 0x10_0000, 64 << 20, 4);
+        let r = remote(&p, 0x900_0000, 64 << 20, 4);
+        let blocks = |n: u64, len: u64| -> Vec<Pair> { (0..n).map(|i| Pair { local: (0x10_0000 + i * len, len, &l), remote: (0x900_0000 + i * len, len, &r) }).collect() };
+        let rails_of = |plan: &Plan| plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>();
+        let plan_at = |sh: &[RailShape], rr: usize, pairs: &[Pair]| {
+            let chunks = AtomicUsize::new(0);
+            plan(&Inputs { engine_id: ME, cfg: &cfg, shapes: sh, rr_base: rr, rr_chunks: &chunks }, &Target::Peer(p.clone()), pairs.len(), pairs.iter().map(|p| Ok(*p)), &Nothing(None)).unwrap()
+        };
+        let mut ordered = shapes(4);
+        ordered[0].order_saw = true;
+        // 4 KiB and 16 x 4 KiB (64 KiB, notif_rail0_bytes) whatever the round-robin turn.
+        for rr in 0..4 {
+            assert_eq!(rails_of(&plan_at(&ordered, rr, &blocks(1, 4096))), vec![(0, 0)], "turn {rr}");
+            assert!(rails_of(&plan_at(&ordered, rr, &blocks(16, 4096))).iter().all(|&x| x == (0, 0)), "turn {rr}");
+        }
+        // One byte more, or rail 0 without the order, or the key at 0: round-robin.
+        assert_eq!(rails_of(&plan_at(&ordered, 1, &blocks(1, (64 << 10) + 1))), vec![(1, 1)]);
+        assert_eq!(rails_of(&plan_at(&shapes(4), 1, &blocks(1, 4096))), vec![(1, 1)]);
+        let mut off = cfg.clone();
+        off.notif_rail0_bytes = 0;
+        let chunks = AtomicUsize::new(0);
+        let plan = plan(&Inputs { engine_id: ME, cfg: &off, shapes: &ordered, rr_base: 2, rr_chunks: &chunks }, &Target::Peer(p.clone()), 1, blocks(1, 4096).iter().map(|p| Ok(*p)), &Nothing(None)).unwrap();
+        assert_eq!(rails_of(&plan), vec![(2, 2)]);
     }
 
     #[test]

@@ -83,6 +83,9 @@ pub struct ProcessInfo {
 
 /// Connection-info flag: a ProcessInfo block follows the rails.
 const CONN_FLAG_PROCESS: u16 = 1;
+/// Connection-info flag: the first rail processes a received send only after the writes
+/// that came before it (its provider granted FI_ORDER_SAW on the receive side). No field.
+const CONN_FLAG_RAIL0_SAW: u16 = 2;
 
 /// Everything a peer needs to reach an engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,12 +95,15 @@ pub struct ConnInfo {
     pub agent: String,
     pub rails: Vec<RailAddr>,
     pub process: Option<ProcessInfo>,
+    /// Rail 0 orders a send after earlier writes (flags bit 1): a notification may follow
+    /// its data there without a flush read first. Peers of older versions do not say so.
+    pub rail0_saw: bool,
 }
 
 impl ConnInfo {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
-        let flags = if self.process.is_some() { CONN_FLAG_PROCESS } else { 0 };
+        let flags = if self.process.is_some() { CONN_FLAG_PROCESS } else { 0 } | if self.rail0_saw { CONN_FLAG_RAIL0_SAW } else { 0 };
         w.bytes(CONN_MAGIC).u16(CONN_VERSION).u16(flags).u64(self.engine_id).bytes(&self.host_id);
         w.short(self.agent.as_bytes()).u16(self.rails.len() as u16);
         for r in &self.rails {
@@ -143,7 +149,7 @@ impl ConnInfo {
             None
         };
         r.finish()?;
-        Ok(ConnInfo { engine_id, host_id, agent, rails, process })
+        Ok(ConnInfo { engine_id, host_id, agent, rails, process, rail0_saw: flags & CONN_FLAG_RAIL0_SAW != 0 })
     }
 }
 
@@ -586,6 +592,7 @@ mod tests {
             agent: "a".into(),
             rails: vec![RailAddr { provider: "tcp;ofi_rxm".into(), addr: vec![1, 2, 3] }],
             process: Some(ProcessInfo { pid: 42, token_addr: 0x7f00_0000_1000, token: [9; 16] }),
+            rail0_saw: true,
         }
     }
 
@@ -596,8 +603,11 @@ mod tests {
         let b = c.encode();
         assert_eq!(ConnInfo::decode(&b).unwrap(), c);
         let mut other = b.clone();
-        other[6] = 0x02; // flags, low byte: a bit we do not know
+        other[7] = 0x80; // flags, high byte: a bit we do not know
         assert_eq!(ConnInfo::decode(&other).unwrap(), c);
+        let mut unordered = b.clone();
+        unordered[6] &= !0x02; // flags bit 1: rail 0 orders a send after writes
+        assert!(!ConnInfo::decode(&unordered).unwrap().rail0_saw, "an older peer's info says nothing of it");
         let mut claims = b.clone();
         claims[6] = 0x01; // says a process block follows, but none does
         assert!(ConnInfo::decode(&claims).is_err());

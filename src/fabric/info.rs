@@ -82,8 +82,21 @@ fn getinfo(prov: &str, delivery_complete: bool, hmem: bool) -> Result<InfoList> 
 }
 
 /// `raw`: also ask that reads be ordered after earlier writes (FI_ORDER_RAW), which lets
-/// the engine confirm delivery with one small read instead of delivery-complete writes.
+/// the engine confirm delivery with one small read instead of delivery-complete writes, and
+/// where the provider grants it that a send be ordered after earlier writes (FI_ORDER_SAW),
+/// which lets a notification follow its data at once (RailCaps::order_saw). A provider that
+/// cannot order sends after writes answers the same hints without SAW.
 fn getinfo_ordered(prov: &str, delivery_complete: bool, hmem: bool, raw: bool) -> Result<InfoList> {
+    if !raw {
+        return getinfo_order(prov, delivery_complete, hmem, 0);
+    }
+    let sas_raw = (sys::FI_ORDER_RAW | sys::FI_ORDER_SAS) as u64;
+    getinfo_order(prov, delivery_complete, hmem, sas_raw | sys::FI_ORDER_SAW as u64)
+        .or_else(|_| getinfo_order(prov, delivery_complete, hmem, sas_raw))
+}
+
+/// fi_getinfo with our hints and `msg_order` asked of the transmit side (0: nothing).
+fn getinfo_order(prov: &str, delivery_complete: bool, hmem: bool, msg_order: u64) -> Result<InfoList> {
     // SAFETY: fi_allocinfo returns a zeroed info with allocated sub-attributes (or NULL).
     let hints = unsafe { sys::nf_fi_allocinfo() };
     if hints.is_null() {
@@ -111,9 +124,7 @@ fn getinfo_ordered(prov: &str, delivery_complete: bool, hmem: bool, raw: bool) -
         if delivery_complete {
             (*h.tx_attr).op_flags = sys::FI_DELIVERY_COMPLETE as u64;
         }
-        if raw {
-            (*h.tx_attr).msg_order = (sys::FI_ORDER_RAW | sys::FI_ORDER_SAS) as u64;
-        }
+        (*h.tx_attr).msg_order = msg_order;
         (*h.fabric_attr).prov_name = libc::strdup(cprov.as_ptr());
     }
     let mut out: *mut sys::fi_info = ptr::null_mut();

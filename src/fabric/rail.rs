@@ -39,6 +39,12 @@ pub struct RailCaps {
     /// The provider orders a read after earlier writes to the same peer (FI_ORDER_RAW), so
     /// a small read can stand in for delivery-complete writes.
     pub order_raw: bool,
+    /// The provider orders a send after earlier writes to the same peer, on both our
+    /// transmit and our receive side (FI_ORDER_SAW): a notification sent on this endpoint
+    /// behind its data is processed by the target only after that data.
+    pub order_saw: bool,
+    /// The granted msg_order of the transmit and receive sides, as libfabric reports them.
+    pub msg_order: (u64, u64),
     /// RMA on this rail completes only once the data has moved, provided the kernel lets
     /// this process reach the peer's memory directly (cross-memory attach, CMA): the shm
     /// provider of libfabric 1.x then copies in the posting call itself ("fast RMA",
@@ -165,6 +171,16 @@ const RMA_ORDER_BITS: u64 = (sys::FI_ORDER_RAR | sys::FI_ORDER_RAW | sys::FI_ORD
     | sys::FI_ORDER_RMA_RAR | sys::FI_ORDER_RMA_RAW | sys::FI_ORDER_RMA_WAR | sys::FI_ORDER_RMA_WAW
     | sys::FI_ORDER_ATOMIC_RAR | sys::FI_ORDER_ATOMIC_RAW | sys::FI_ORDER_ATOMIC_WAR | sys::FI_ORDER_ATOMIC_WAW;
 
+/// The ordering bits of a msg_order value by their libfabric names (RAW for FI_ORDER_RAW).
+fn order_names(order: u64) -> String {
+    const NAMES: [(u32, &str); 9] = [
+        (sys::FI_ORDER_RAR, "RAR"), (sys::FI_ORDER_RAW, "RAW"), (sys::FI_ORDER_RAS, "RAS"),
+        (sys::FI_ORDER_WAR, "WAR"), (sys::FI_ORDER_WAW, "WAW"), (sys::FI_ORDER_WAS, "WAS"),
+        (sys::FI_ORDER_SAR, "SAR"), (sys::FI_ORDER_SAW, "SAW"), (sys::FI_ORDER_SAS, "SAS"),
+    ];
+    NAMES.iter().filter(|(b, _)| flag(order, *b as u64)).map(|(_, n)| *n).collect::<Vec<_>>().join(" ")
+}
+
 /// Whether this entry is the shm provider's fast-RMA mode (see RailCaps::sync_rma). The
 /// rules are those of libfabric 1.x's shm; 2.x changed that provider, so it is not assumed.
 fn shm_fast_rma(prov: &str, mr_mode: u64, msg_order: u64, caps: u64, op_flags: u64) -> bool {
@@ -206,6 +222,8 @@ impl Rail {
                 rx_size: rx.size.max(1),
                 delivery_complete: spec.delivery_complete,
                 order_raw: flag(tx.msg_order, sys::FI_ORDER_RAW as u64),
+                order_saw: flag(tx.msg_order, sys::FI_ORDER_SAW as u64) && flag(rx.msg_order, sys::FI_ORDER_SAW as u64),
+                msg_order: (tx.msg_order, rx.msg_order),
                 sync_rma,
                 // shm's fast RMA takes a single remote range per operation.
                 rma_batch: if sync_rma { 1 } else { tx.iov_limit.min(tx.rma_iov_limit).clamp(1, MAX_RMA_BATCH) },
@@ -232,9 +250,10 @@ impl Rail {
         let name = ep.name(index)?;
         log::info!(
             "{owner}: rail {index}: provider {} domain {} fabric {} mr_local={} virt_addr={} prov_key={} \
-             inject={} tx={} rx={} delivery_complete={} order_raw={} sync_rma={} rma_batch={} cq_data={} context={} hmem={} wait_fd={}",
+             inject={} tx={} rx={} delivery_complete={} msg_order tx=[{}] rx=[{}] sync_rma={} rma_batch={} cq_data={} context={} hmem={} wait_fd={}",
             caps.prov_name, caps.domain_name, spec.fabric_name, caps.mr_local, caps.virt_addr,
-            caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete, caps.order_raw, caps.sync_rma, caps.rma_batch,
+            caps.prov_key, caps.inject_size, caps.tx_size, caps.rx_size, caps.delivery_complete,
+            order_names(caps.msg_order.0), order_names(caps.msg_order.1), caps.sync_rma, caps.rma_batch,
             caps.cq_data_size, caps.needs_context, caps.hmem, wait_fd.is_some()
         );
         let fault = spec.fault.clone().map(|f| Box::new(fault::Fault::new(owner, f, index)));

@@ -55,6 +55,8 @@ struct State {
     held_polls: usize,
     recvs: VecDeque<(*mut u8, usize, *mut c_void)>,
     sends: Vec<Vec<u8>>,
+    /// Every accepted post in order: W write, R read, N notification send, C other send.
+    order: String,
     next_addr: FiAddr,
 }
 
@@ -70,6 +72,11 @@ unsafe impl Send for FakePort {}
 unsafe impl Sync for FakePort {}
 
 pub fn caps(order_raw: bool) -> RailCaps {
+    caps_ordered(order_raw, false)
+}
+
+/// `caps`, with sends ordered after writes (FI_ORDER_SAW) where `order_saw`.
+pub fn caps_ordered(order_raw: bool, order_saw: bool) -> RailCaps {
     RailCaps {
         prov_name: "fake".into(),
         domain_name: "fake0".into(),
@@ -84,6 +91,8 @@ pub fn caps(order_raw: bool) -> RailCaps {
         rx_size: 256,
         delivery_complete: !order_raw,
         order_raw,
+        order_saw,
+        msg_order: (0, 0),
         sync_rma: false,
         rma_batch: 4,
         cq_data_size: 0,
@@ -94,8 +103,13 @@ pub fn caps(order_raw: bool) -> RailCaps {
 }
 
 impl FakePort {
-    pub fn new(index: usize, order_raw: bool) -> Arc<FakePort> {
-        Arc::new(FakePort { index, caps: caps(order_raw), st: Mutex::new(State { next_addr: 100, ..State::default() }) })
+    pub fn with_caps(index: usize, caps: RailCaps) -> Arc<FakePort> {
+        Arc::new(FakePort { index, caps, st: Mutex::new(State { next_addr: 100, ..State::default() }) })
+    }
+
+    /// Every accepted post so far, in order: W write, R read, N notification, C other send.
+    pub fn order(&self) -> String {
+        self.st().order.clone()
     }
 
     fn st(&self) -> std::sync::MutexGuard<'_, State> {
@@ -208,6 +222,7 @@ impl Port for FakePort {
             len += g.len;
         }
         s.accepted.push(Accepted { write, segs: segs.iter().map(|g| (g.local as u64, g.len, g.raddr, g.rkey)).collect(), dest });
+        s.order.push(if write { 'W' } else { 'R' });
         Self::complete(&mut s, ctx, len);
         Ok(Posted::Ok)
     }
@@ -226,7 +241,10 @@ impl Port for FakePort {
             Answer::Accept => {}
         }
         // SAFETY: the caller's buffer holds `len` bytes (Port::send's contract).
-        s.sends.push(unsafe { std::slice::from_raw_parts(buf, len) }.to_vec());
+        let bytes = unsafe { std::slice::from_raw_parts(buf, len) }.to_vec();
+        let notif = crate::engine::wire::decode_ctrl(&bytes).is_ok_and(|c| c.kind == crate::engine::wire::CtrlType::Notif);
+        s.order.push(if notif { 'N' } else { 'C' });
+        s.sends.push(bytes);
         s.ready.push_back(Ok(Completion { ctx, flags: 0, len }));
         Ok(Posted::Ok)
     }
@@ -297,7 +315,17 @@ impl Bench {
     }
 
     pub fn with_config(rails: usize, order_raw: bool, cfg: Config) -> Bench {
-        let fakes: Vec<Arc<FakePort>> = (0..rails).map(|i| FakePort::new(i, order_raw)).collect();
+        Self::with_caps(rails, caps(order_raw), cfg)
+    }
+
+    /// Rails that order reads and sends after writes (FI_ORDER_RAW and FI_ORDER_SAW), as
+    /// tcp and sockets do.
+    pub fn ordered(rails: usize) -> Bench {
+        Self::with_caps(rails, caps_ordered(true, true), Config::defaults())
+    }
+
+    pub fn with_caps(rails: usize, caps: RailCaps, cfg: Config) -> Bench {
+        let fakes: Vec<Arc<FakePort>> = (0..rails).map(|i| FakePort::with_caps(i, caps.clone())).collect();
         let ports = fakes.iter().map(|f| f.clone() as Arc<dyn Port>).collect();
         let id = crate::engine::ids::random_u64();
         let view = ProcessView::publish(id, [0; 16]);
@@ -319,10 +347,17 @@ impl Bench {
         Cx { core: &self.core, rails: &self.rails, ops: &mut self.ops, conns: &mut self.conns, slots: &mut self.slots, out: &mut self.out, ctrl_room: 4096 }
     }
 
-    /// A remote peer reached over every rail pair (rail i <-> its rail i).
+    /// A remote peer reached over every rail pair (rail i <-> its rail i), whose rail 0
+    /// orders sends after writes as ours does.
     pub fn peer(&mut self, id: u64, locality: Locality) -> Arc<Peer> {
+        let saw = self.fakes.first().is_some_and(|f| f.caps.order_saw);
+        self.peer_with(id, locality, saw)
+    }
+
+    /// `peer`, saying in its connection info whether its rail 0 orders sends after writes.
+    pub fn peer_with(&mut self, id: u64, locality: Locality, rail0_saw: bool) -> Arc<Peer> {
         let n = self.rails.len();
-        let info = ConnInfo { engine_id: 1000 + id, host_id: [9; 16], agent: format!("peer{id}"), rails: (0..n).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None };
+        let info = ConnInfo { engine_id: 1000 + id, host_id: [9; 16], agent: format!("peer{id}"), rails: (0..n).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None, rail0_saw };
         let route = (0..n).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
         let peer = Arc::new(Peer::new(id, &format!("peer{id}"), info, Vec::new(), route, false, false, locality));
         let addrs = (0..n).map(|l| (0..n).map(|r| Some((10 * l + r) as FiAddr + 1)).collect()).collect();

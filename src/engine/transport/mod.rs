@@ -168,6 +168,20 @@ pub trait Transport: Send {
         0
     }
 
+    /// Whether a notification sent now on the control endpoint (our rail 0 to the peer's
+    /// rail 0) reaches the target only after every byte this transport moves for `req`'s
+    /// post, all of whose segments have started. A transport without segments in `req` has
+    /// nothing for it to wait for.
+    fn notif_follows(&self, _cx: &Cx, req: &Request) -> bool {
+        !req.segs.iter().any(|s| s.kind.route() == self.route())
+    }
+
+    /// Every segment of a post has started: finishing steps that may go out already
+    /// (`finishing` does the rest once the pieces ended). Returns how many pieces it started.
+    fn finish_early(&mut self, _cx: &mut Cx, _req: &Arc<Request>, _epoch: u64, _marks: &mut Marks) -> usize {
+        0
+    }
+
     /// Peer `peer_id` (engine `engine_id`) is gone: end what waits on it.
     fn drop_peer(&mut self, _cx: &mut Cx, _peer_id: u64, _engine_id: u64) {}
 

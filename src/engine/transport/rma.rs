@@ -5,19 +5,69 @@
 //! Done means delivered (rule 6), per rail and peer, the cheapest of: the provider copies
 //! inside the post (shm fast RMA to a CMA-reachable peer), FI_DELIVERY_COMPLETE, or
 //! transmit-complete plus one flush read per rail the post wrote on (providers that order
-//! a read after writes, FI_ORDER_RAW), queued when the post's data is otherwise done.
+//! a read after writes, FI_ORDER_RAW), posted right behind the writes where the rail's
+//! writes are posted by the driver itself, else once the post's data is otherwise done.
+//!
+//! Notifications follow data (rule 5). Where a post's writes all went on the control
+//! endpoint pair (our rail 0 to the peer's rail 0) and both ends order a send after writes
+//! (FI_ORDER_SAW), its notification is sent right behind them (`notif_behind`); elsewhere
+//! only after the flush reads (or delivery-complete writes) completed.
 use super::{Cx, Post, Start, Transport};
 use crate::engine::counters::add;
 use crate::engine::ops::{OpKind, TOp};
 use crate::engine::port::{Mr, Port};
-use crate::engine::request::{Marks, Op, Phase, Request, Route, SegKind};
+use crate::engine::request::{Marks, Op, Phase, Request, Route, Seg, SegKind};
 use crate::error::{Error, Result};
-use crate::fabric::{Posted, RmaSeg, MAX_RMA_BATCH};
+use crate::fabric::{Posted, RailCaps, RmaSeg, MAX_RMA_BATCH};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// Largest operation a batch of segments grows to: beyond this, batching saves nothing.
 const MAX_BATCH_BYTES: u64 = 1 << 20;
+
+/// Whether a post's notification may be sent right behind its data instead of after the
+/// flush reads: a WRITE whose every segment is RMA from our rail 0 to the peer's rail 0,
+/// the endpoint pair the control channel uses, where our rail 0 orders a send after
+/// writes on both sides (`rail0`), the peer says its rail 0 does (`peer_saw`, from its
+/// connection info), our rail 0 posts its writes itself (a rail thread's outbox could still
+/// hold them when the send goes), and the peer is not reached by shm's copy-in-the-post.
+///
+/// Why this keeps the rules. Notification after data (5): the send is posted only once
+/// every write of the post was accepted by the provider on that endpoint, and with SAW
+/// the target processes it only after those writes, so its receive completion (and
+/// getNotifs) comes after the bytes are in its memory. A write whose post is refused or
+/// fails keeps the notification from going at all. Done means delivered (6): the post still
+/// ends only when every write completed, its notification's send completed, and the
+/// rail's flush read completed; that read is posted right behind the writes on the same
+/// endpoint (`finish_early`), and with FI_ORDER_RAW the target serves it only after them,
+/// so its completion shows they are visible (a rail without RAW writes delivery-complete:
+/// their own completions show it). What the order cannot undo: a write that fails after it
+/// was accepted (an error completion) fails the post while its notification may already be
+/// on its way. Over tcp that happens when the connection breaks, which loses the send
+/// behind it on the same stream too, or when the target rejects the key because its memory
+/// was deregistered under the transfer (a caller error).
+pub fn notif_behind(rail0: &RailCaps, rail0_threaded: bool, peer_saw: bool, peer_sync: bool, op: Op, segs: &[Seg]) -> bool {
+    op == Op::Write
+        && rail0.order_saw
+        && peer_saw
+        && !rail0_threaded
+        && !peer_sync
+        && !segs.is_empty()
+        && segs.iter().all(|s| matches!(s.kind, SegKind::Rma) && s.rail == 0 && s.rrail == 0)
+}
+
+/// How writes on rail `index` come to count as delivered and when a notification of data
+/// there is sent, as the engine logs it once per rail.
+pub fn delivery_mode(caps: &RailCaps, index: usize, threaded: bool) -> &'static str {
+    let behind = index == 0 && caps.order_saw && !threaded;
+    match (caps.sync_rma, behind, caps.order_raw) {
+        (true, _, _) => "writes complete inside the post to peers reachable by CMA (others: delivery-complete writes); notification after data",
+        (false, true, true) => "notification ordered behind data (FI_ORDER_SAW), flush read right behind it (FI_ORDER_RAW)",
+        (false, true, false) => "notification ordered behind data (FI_ORDER_SAW), writes delivery-complete",
+        (false, false, true) => "flush read before notification",
+        (false, false, false) => "delivery-complete writes before notification",
+    }
+}
 
 pub struct Rma {
     owner: u8,
@@ -234,6 +284,28 @@ impl Transport for Rma {
         !self.flushes.is_empty() && self.post_flushes(cx)
     }
 
+    fn notif_follows(&self, cx: &Cx, req: &Request) -> bool {
+        let Some((rail0, peer)) = cx.rails.first().zip(req.peer()) else { return false };
+        let sync = cx.conns.peers.get(&peer.id).is_none_or(|c| c.sync_rails & 1 != 0);
+        notif_behind(rail0.caps(), rail0.posts_on_thread(), peer.info.rail0_saw, sync, req.op, &req.segs)
+    }
+
+    /// With every write of the post handed to the provider, a rail that orders reads after
+    /// writes gets its flush read now, behind them on the same endpoint, instead of after
+    /// their completions: one round trip less before the post ends. Not on a rail whose
+    /// thread posts its writes (they may still be in its outbox).
+    fn finish_early(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, marks: &mut Marks) -> usize {
+        let mut n = 0;
+        for (rail, port) in cx.rails.iter().enumerate().take(self.flush_writes.len()) {
+            if marks.unflushed & (1 << rail) != 0 && !port.posts_on_thread() {
+                self.flushes.push_back((req.clone(), epoch, rail));
+                marks.unflushed &= !(1 << rail);
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Done means delivered (rule 6): on rails that order a read after writes, one 1-byte
     /// read of the destination per rail the post wrote on; its completion shows every
     /// earlier write to that peer landed.
@@ -271,6 +343,36 @@ mod tests {
 
     fn pattern(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    #[test]
+    fn the_notification_goes_behind_the_data_only_where_every_write_is_ordered_before_it() {
+        use crate::engine::transport::fake::caps_ordered;
+        // Only looked at, never moved: any addresses do.
+        let on = |rail: u16, rrail: u16| Seg { local: 0x1000, len: 64, raddr: 0x2000, rkey: 7, desc: 0, rail, rrail, kind: SegKind::Rma };
+        let (tcp, unordered, dc_only) = (caps_ordered(true, true), caps_ordered(true, false), caps_ordered(false, true));
+        let rail0 = [on(0, 0), on(0, 0)];
+        assert!(notif_behind(&tcp, false, true, false, Op::Write, &rail0));
+        assert!(notif_behind(&dc_only, false, true, false, Op::Write, &rail0), "delivery-complete writes, ordered send");
+        // Each condition alone keeps the flush read before the notification.
+        assert!(!notif_behind(&unordered, false, true, false, Op::Write, &rail0), "provider without SAW");
+        assert!(!notif_behind(&tcp, false, false, false, Op::Write, &rail0), "peer does not say its rail 0 orders sends");
+        assert!(!notif_behind(&tcp, true, true, false, Op::Write, &rail0), "rail 0 posts through a thread");
+        assert!(!notif_behind(&tcp, false, true, true, Op::Write, &rail0), "shm copy-in-the-post peer");
+        assert!(!notif_behind(&tcp, false, true, false, Op::Read, &rail0), "a READ");
+        assert!(!notif_behind(&tcp, false, true, false, Op::Write, &[on(0, 0), on(1, 1)]), "data on another rail");
+        assert!(!notif_behind(&tcp, false, true, false, Op::Write, &[on(0, 1)]), "data to another remote rail");
+        assert!(!notif_behind(&tcp, false, true, false, Op::Write, &[]), "no data");
+        let staged = Seg { kind: SegKind::Cma { pid: 1 }, ..on(0, 0) };
+        assert!(!notif_behind(&tcp, false, true, false, Op::Write, &[on(0, 0), staged]), "data of another transport");
+        // What each rail logs.
+        assert!(delivery_mode(&tcp, 0, false).starts_with("notification ordered behind data (FI_ORDER_SAW)"));
+        assert_eq!(delivery_mode(&tcp, 1, false), "flush read before notification", "the notification rides rail 0");
+        assert_eq!(delivery_mode(&tcp, 0, true), "flush read before notification");
+        assert_eq!(delivery_mode(&unordered, 0, false), "flush read before notification");
+        assert_eq!(delivery_mode(&caps_ordered(false, false), 0, false), "delivery-complete writes before notification");
+        let shm_fast = RailCaps { sync_rma: true, ..caps_ordered(false, false) };
+        assert!(delivery_mode(&shm_fast, 0, false).starts_with("writes complete inside the post"));
     }
 
     #[test]

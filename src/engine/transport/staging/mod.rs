@@ -666,7 +666,7 @@ mod tests {
         let peer = init.peer(1, Locality::Remote);
         let info = crate::engine::wire::ConnInfo {
             engine_id: init.core.engine_id, host_id: [3; 16], agent: "init".into(),
-            rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None,
+            rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None, rail0_saw: false,
         };
         owner.conns.initiators.insert(init.core.engine_id, Initiator { name: "init".into(), info: Some(info), addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
         Pair { init, owner, ti: Staging::new(1), to: Staging::new(1), peer }
@@ -754,7 +754,7 @@ mod tests {
     /// way the engine does (scheduler::plan), and returns the request.
     fn planned(p: &Pair, op: Op, blocks: &[(u64, u64, u64)], local: &Arc<LocalMem>, remote: &Arc<crate::engine::remote::RemoteMem>) -> Arc<Request> {
         use crate::engine::scheduler::{plan, Inputs, Pair as DescPair, RailShape};
-        let shapes: Vec<RailShape> = (0..RAILS).map(|_| RailShape { max_msg: 1 << 30, virt_addr: true, hmem: false, provider: "fake".into() }).collect();
+        let shapes: Vec<RailShape> = (0..RAILS).map(|_| RailShape { max_msg: 1 << 30, virt_addr: true, hmem: false, provider: "fake".into(), order_saw: false }).collect();
         let rr = std::sync::atomic::AtomicUsize::new(0);
         let rbase = match &**remote {
             crate::engine::remote::RemoteMem::Peer { desc, .. } => desc.base,
