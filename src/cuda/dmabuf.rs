@@ -26,6 +26,23 @@ impl DmaBuf {
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
+
+    /// A memfd of `len` bytes standing in for a driver's dma-buf (tests without a driver).
+    #[cfg(test)]
+    pub fn for_tests(len: u64) -> Result<DmaBuf> {
+        // SAFETY: the name is a NUL-terminated literal; the fd returned is ours.
+        let fd = unsafe { libc::memfd_create(c"nf-test-dmabuf".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(CudaError::Invalid(format!("memfd_create: {}", std::io::Error::last_os_error())));
+        }
+        // SAFETY: a fresh fd nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: fd is open; ftruncate only sizes the memfd.
+        if unsafe { libc::ftruncate(std::os::fd::AsRawFd::as_raw_fd(&fd), len as i64) } != 0 {
+            return Err(CudaError::Invalid(format!("ftruncate: {}", std::io::Error::last_os_error())));
+        }
+        Ok(DmaBuf { fd, base: 0, offset: 0, len })
+    }
 }
 
 /// The host page size (the granularity dma-buf exports work in).

@@ -31,7 +31,6 @@ pub struct Pair<'a> {
 pub struct RailShape {
     pub max_msg: u64,
     pub virt_addr: bool,
-    pub hmem: bool,
     pub provider: String,
 }
 
@@ -287,7 +286,7 @@ mod tests {
     }
 
     fn shapes(n: usize) -> Vec<RailShape> {
-        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, hmem: false, provider: "tcp".into() }).collect()
+        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, provider: "tcp".into() }).collect()
     }
 
     fn mem(engine: u64, base: u64, len: u64, rails: usize) -> Arc<LocalMem> {
