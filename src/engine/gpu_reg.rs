@@ -112,7 +112,7 @@ pub unsafe fn register(rails: &[Arc<dyn Port>], next_key: &mut u64, policy: Vram
 fn dmabuf_attempt(rails: &[Arc<dyn Port>], next_key: &mut u64, addr: u64, len: u64, dev: &DeviceMem,
                   export: &dyn Fn() -> cuda::Result<Option<cuda::DmaBuf>>) -> std::result::Result<Vec<Mr>, String> {
     if let Some(r) = rails.iter().find(|r| !r.caps().dmabuf) {
-        return Err(format!("no dma-buf registration on {} (needs libfabric API 1.20; this library is {})", r.caps().prov_name, crate::fabric::library_version()));
+        return Err(format!("no dma-buf registration: {}", r.caps().no_dmabuf_reason()));
     }
     let buf = match export() {
         Ok(Some(b)) => b,

@@ -38,7 +38,7 @@ pub(crate) fn library_major() -> u32 {
     runtime_version() >> 16
 }
 
-fn runtime_version() -> u32 {
+pub(crate) fn runtime_version() -> u32 {
     // SAFETY: fi_version takes no arguments and only reads constants.
     unsafe { sys::fi_version() }
 }

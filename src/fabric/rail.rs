@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex};
 
 mod fault;
 mod outbox;
+#[cfg(test)]
+mod dmabuf_tests;
 pub use fault::{FaultCounts, FaultSpec};
 pub use outbox::Posting;
 
@@ -58,6 +60,21 @@ pub struct RailCaps {
     /// fabric opened with API 1.20 or later (fi_mr(3)).
     pub dmabuf: bool,
     pub threading: u32,
+}
+
+impl RailCaps {
+    /// Why `dmabuf` is false (for log lines).
+    pub fn no_dmabuf_reason(&self) -> String {
+        if !self.hmem {
+            format!("{} offers no FI_HMEM", self.prov_name)
+        } else if super::runtime_version() < super::API_VERSION_DMABUF {
+            format!("dma-buf registration needs libfabric API 1.20 (library {})", super::library_version())
+        } else if !self.virt_addr {
+            format!("{} addresses regions by offset, which libfabric's MR map gets wrong for a dma-buf", self.prov_name)
+        } else {
+            "dma-buf registration is available".into()
+        }
+    }
 }
 
 /// One completion entry: the context we posted with, its flags, and the received length.
@@ -230,7 +247,13 @@ impl Rail {
                 cq_data_size: d.cq_data_size,
                 needs_context: flag(i.mode, sys::FI_CONTEXT | sys::FI_CONTEXT2),
                 hmem: flag(i.caps, sys::FI_HMEM),
-                dmabuf: flag(i.caps, sys::FI_HMEM) && spec.api_version >= super::API_VERSION_DMABUF,
+                // Only where peers address regions by virtual address: libfabric 2.1's
+                // util MR map (shm, tcp) takes an offset-addressed region's base from the
+                // attribute's iovec even when it holds a dma-buf, so the region lands at an
+                // address made of the fd number (found here: shm's RMA into such a region
+                // fails "out of registered range" on the target and never completes).
+                dmabuf: flag(i.caps, sys::FI_HMEM) && spec.api_version >= super::API_VERSION_DMABUF
+                    && flag(mr, sys::FI_MR_VIRT_ADDR as u64),
                 threading: d.threading,
             }
         };
@@ -292,10 +315,18 @@ impl Rail {
     /// `buf.base + buf.offset` for `buf.len` bytes until the returned region is dropped.
     pub unsafe fn register_dmabuf(&self, buf: &DmaBufRange<'_>, key: u64, hmem: (u32, i32)) -> Result<MemoryRegion> {
         if !self.caps.dmabuf {
-            return Err(Error::NotSupported(format!(
-                "rail {}: dma-buf registration needs FI_HMEM and libfabric API 1.20 (library {})", self.index, super::library_version()
-            )));
+            return Err(Error::NotSupported(format!("rail {}: {}", self.index, self.caps.no_dmabuf_reason())));
         }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.reg_dmabuf_unchecked(buf, key, hmem) }
+    }
+
+    /// `register_dmabuf` without the capability check (the tests use it to reach the
+    /// provider where the engine would not).
+    ///
+    /// # Safety
+    /// As for `register_dmabuf`.
+    unsafe fn reg_dmabuf_unchecked(&self, buf: &DmaBufRange<'_>, key: u64, hmem: (u32, i32)) -> Result<MemoryRegion> {
         // The region holds a handle of its own: the caller's may close before the MR does.
         let own = buf.fd.try_clone_to_owned().map_err(|e| Error::Backend(format!("dup of a dma-buf fd: {e}")))?;
         let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
