@@ -271,6 +271,7 @@ impl Engine {
             }),
             None => None,
         };
+        let mut vram = None;
         let (mrs, dev) = match dev {
             // SAFETY (both): NIXL keeps registered memory allocated until it is
             // deregistered, which drops the LocalMem and with it these registrations.
@@ -287,11 +288,12 @@ impl Engine {
                     Ok((r, dm))
                 })??;
                 gpu_reg::log_kind(&self.core.name, &self.core.gpu, &r.0);
+                vram = Some((r.1, r.0.kind));
                 (r.0.mrs, Some(r.1))
             }
         };
         log::debug!("{}: registered {kind:?} [{addr:#x}, +{len}){}", self.core.name,
-            dev.map_or(String::new(), |d| format!(" on GPU {} ({})", d.ordinal, if d.staged { "staged" } else { "provider-registered" })));
+            vram.map_or(String::new(), |(d, k)| format!(" on GPU {} ({})", d.ordinal, k.name())));
         let mut m = LocalMem::new(self.core.engine_id, addr, len, kind, dev_id, self.shapes.len(), mrs,
             self.core.closeq.clone(), dev, Some(self.core.gpu.clone()));
         m.primary = primary;

@@ -26,9 +26,17 @@ pub enum VramReg {
 impl VramReg {
     pub fn describe(self) -> &'static str {
         match self {
-            VramReg::DmaBuf => "by dma-buf (FI_MR_DMABUF), zero-copy",
-            VramReg::Hmem => "by FI_HMEM (CUDA interface), zero-copy",
-            VramReg::Staged => "not with the provider: staged through host memory",
+            VramReg::DmaBuf => "is registered with the provider by dma-buf (FI_MR_DMABUF): zero-copy",
+            VramReg::Hmem => "is registered with the provider by FI_HMEM (CUDA interface): zero-copy",
+            VramReg::Staged => "is staged through host memory (not registered with the provider)",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            VramReg::DmaBuf => "dma-buf",
+            VramReg::Hmem => "FI_HMEM",
+            VramReg::Staged => "staged",
         }
     }
 
@@ -65,7 +73,7 @@ pub unsafe fn register(rails: &[Arc<dyn Port>], next_key: &mut u64, policy: Vram
     };
     let allowed = |k: VramReg| policy == VramPolicy::Auto || only(k);
     let refuse = |k: VramReg, why: &[String]| {
-        Err(Error::NotSupported(format!("vram_registration={policy:?}: GPU memory cannot be registered {} ({})", k.describe(), why.join("; "))))
+        Err(Error::NotSupported(format!("vram_registration={policy:?} asks for a {} registration only, which was refused ({})", k.name(), why.join("; "))))
     };
     if policy == VramPolicy::Staged {
         return Ok(Registered { mrs: Vec::new(), kind: VramReg::Staged, why: "vram_registration=staged".into() });
@@ -144,7 +152,7 @@ fn dedup(mut v: Vec<String>) -> Vec<String> {
 pub fn log_kind(owner: &str, gpu: &GpuRegistry, r: &Registered) {
     if gpu.first_of_kind(r.kind.bit()) {
         let why = if r.why.is_empty() { String::new() } else { format!(" ({})", r.why) };
-        log::info!("{owner}: GPU memory is registered {}{why}; further registrations of this kind are not logged", r.kind.describe());
+        log::info!("{owner}: GPU memory {}{why}; further registrations of this kind are not logged", r.kind.describe());
     }
 }
 
