@@ -85,6 +85,8 @@ tunables! {
         "host memory of a same-host peer process that this process may access (cross-memory attach; needs same_host_shm) is written and read directly with process_vm_writev/readv, many descriptors per call and large requests split over copy threads, instead of through the shm rail; also spreads host-to-host copies of 2 MiB and more between engines of one process over the copy threads";
     cma_threads: u64 = U64, "0", "NIXL_FABRIC_CMA_THREADS",
         "copy threads per engine for cma_copy and large same-process host copies (started at first use); 0 = half the cores this process may run on, at most 7";
+    vram_registration: String = Str, "auto", "NIXL_FABRIC_VRAM_REGISTRATION",
+        "how GPU memory is registered with a provider that offers FI_HMEM: auto tries a dma-buf registration (libfabric >= 1.20 and a driver that exports dma-bufs), then plain FI_HMEM, then falls back to packed staging; dmabuf or hmem take only that kind (a registration the provider refuses fails: to pin a path in tests); staged always stages";
     staging_buffer_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
         "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM); 0 = sized from the rails: staging_depth chunks in flight on every rail for our requests and as many for serving peers' (at most 512 MiB)";
     staging_chunk_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
@@ -163,6 +165,16 @@ fn parse<T: FromTable>(kind: Kind, key: &str, v: &str) -> Result<T> {
     })
 }
 
+/// Which registrations of GPU memory with the provider an engine may make (config
+/// `vram_registration`): every kind in order of preference, or one kind only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VramPolicy {
+    Auto,
+    DmaBuf,
+    Hmem,
+    Staged,
+}
+
 /// What [`Config::set`] did with a key.
 #[derive(Debug, PartialEq, Eq)]
 pub enum SetOutcome {
@@ -205,6 +217,7 @@ impl Config {
             rail_threads: true,
             cma_copy: true,
             cma_threads: 0,
+            vram_registration: String::new(),
             staging_buffer_size: 0,
             staging_chunk_size: 0,
             staging_depth: 0,
@@ -241,6 +254,17 @@ impl Config {
 
     pub fn get(&self, key: &str) -> Option<String> {
         TUNABLES.iter().find(|t| t.key == key).map(|t| (t.get)(self))
+    }
+
+    /// `vram_registration`, parsed.
+    pub fn vram_policy(&self) -> Result<VramPolicy> {
+        match self.vram_registration.to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(VramPolicy::Auto),
+            "dmabuf" | "dma-buf" => Ok(VramPolicy::DmaBuf),
+            "hmem" | "fi_hmem" => Ok(VramPolicy::Hmem),
+            "staged" | "staging" => Ok(VramPolicy::Staged),
+            v => Err(Error::InvalidParam(format!("vram_registration '{v}' is not one of auto, dmabuf, hmem, staged"))),
+        }
     }
 
     pub fn timeout(&self) -> std::time::Duration {
@@ -299,6 +323,7 @@ impl Config {
             return Err(Error::InvalidParam("rails must be at most 64".into()));
         }
         crate::fabric::FaultSpec::parse(&self.fault_inject)?;
+        self.vram_policy()?;
         Ok(())
     }
 }

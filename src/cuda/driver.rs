@@ -76,6 +76,9 @@ pub(super) struct Fns {
     pub module_unload: Option<FnModuleUnload>,
     pub module_get_function: Option<FnModuleGetFunction>,
     pub launch_kernel: Option<FnLaunchKernel>,
+    /// dma-buf export of device memory (CUDA >= 11.7).
+    pub device_get_attribute: Option<FnDeviceGetAttribute>,
+    pub mem_get_handle_for_address_range: Option<FnMemGetHandleForAddressRange>,
     /// The virtual memory management API (CUDA >= 10.2); any may be absent.
     pub vmm: VmmFns,
 }
@@ -223,6 +226,8 @@ impl Driver {
             module_unload: opt!("cuModuleUnload"),
             module_get_function: opt!("cuModuleGetFunction"),
             launch_kernel: opt!("cuLaunchKernel"),
+            device_get_attribute: opt!("cuDeviceGetAttribute"),
+            mem_get_handle_for_address_range: opt!("cuMemGetHandleForAddressRange"),
             vmm: VmmFns {
                 mem_create: opt!("cuMemCreate"),
                 mem_release: opt!("cuMemRelease"),

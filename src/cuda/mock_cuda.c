@@ -873,3 +873,45 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
     if (size) *size = a->size;
     return OK;
 }
+
+/* ---- dma-buf export (cuDeviceGetAttribute, cuMemGetHandleForAddressRange) ---------------
+ * The only device attribute known is CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED (124): 1, or 0
+ * with MOCK_CUDA_NO_DMABUF=1. cuMemGetHandleForAddressRange(CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+ * = 1) hands out a new fd of the memfd behind the range (our device memory, or the
+ * physical allocation of one VMM mapping), so reading the fd at offset k reads the
+ * device byte at dptr + k, as a real dma-buf of [dptr, dptr + size) would. A memfd's offset
+ * 0 cannot be moved, so only ranges that start where their allocation (or VMM chunk)
+ * starts and stay inside it are exported: others get CUDA_ERROR_INVALID_VALUE (the real
+ * driver's rule for ranges over several chunks is what the GPU host shows). Like the real
+ * call: dptr and size must be multiples of the host page size, a context must be current,
+ * and MOCK_CUDA_DMABUF_FAIL=1 makes every export fail with CUDA_ERROR_NOT_SUPPORTED. */
+static long n_dmabuf; /* successful exports */
+long mock_dmabuf_exports(void) { return __atomic_load_n(&n_dmabuf, __ATOMIC_RELAXED); }
+CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
+    if (!inited) return NOT_INITIALIZED;
+    if (!v || d < 0 || d >= NDEV) return INVALID_VALUE;
+    if (attr != 124) return INVALID_VALUE;
+    *v = env_is("MOCK_CUDA_NO_DMABUF") ? 0 : 1;
+    return OK;
+}
+CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t size, int type, unsigned long long flags) {
+    long page = sysconf(_SC_PAGESIZE);
+    if (!cur()) return INVALID_CONTEXT;
+    if (!handle || type != 1 || flags || size == 0 || p % (unsigned long long)page || size % (size_t)page) return INVALID_VALUE;
+    if (env_is("MOCK_CUDA_NO_DMABUF") || env_is("MOCK_CUDA_DMABUF_FAIL")) return NOT_SUPPORTED;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = NULL;
+    for (int i = 0; i < NALLOC; i++)
+        if (allocs[i].used && p >= allocs[i].base && p < allocs[i].base + allocs[i].size) a = &allocs[i];
+    int fd = -1;
+    if (a && a->base == p && size <= a->size) {
+        if (a->kind == K_DEVICE) fd = a->fd;
+        else if (a->kind == K_VMM && a->phys >= 0) fd = phys[a->phys].fd;
+    }
+    int out = fd >= 0 ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
+    pthread_mutex_unlock(&lock);
+    if (out < 0) return INVALID_VALUE;
+    *(int *)handle = out;
+    __atomic_fetch_add(&n_dmabuf, 1, __ATOMIC_RELAXED);
+    return OK;
+}

@@ -16,10 +16,12 @@
 //! `make_current`), synchronous copies on `Context`, [`Stream`]/[`Event`] for pipelined
 //! staging copies, [`PinnedBuffer`] bounce buffers, [`IpcHandle`]/[`IpcMapping`] for
 //! device memory shared with same-host peers and batched copies, [`VmmMapping`] for
-//! peers' VMM memory imported from POSIX fds, [`CopyKernel`] for many
+//! peers' VMM memory imported from POSIX fds, [`DmaBuf`] for device memory registered
+//! with a provider by dma-buf, [`CopyKernel`] for many
 //! small device-to-device copies in one launch, and the test helpers
 //! [`DeviceBuffer`], [`Context::primary`], [`Context::create`].
 mod context;
+mod dmabuf;
 mod driver;
 mod error;
 mod gather;
@@ -31,6 +33,7 @@ mod sys;
 mod vmm;
 
 pub use context::{Context, OwnedContext, PrimaryContext};
+pub use dmabuf::DmaBuf;
 pub use driver::{library_path, Driver, DEFAULT_LIB, LIB_ENV};
 pub use error::{CudaError, Result};
 pub use gather::CopyKernel;

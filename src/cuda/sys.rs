@@ -56,6 +56,12 @@ pub const CU_STREAM_NON_BLOCKING: c_uint = 0x1;
 /// Event without timing data (cheaper to record and query).
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
 
+/// `CUdevice_attribute` CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: the device can export its
+/// memory as a dma-buf (cuMemGetHandleForAddressRange).
+pub const CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: c_int = 124;
+/// `CUmemRangeHandleType` CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: the handle is a dma-buf fd.
+pub const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+
 pub type FnInit = unsafe extern "C" fn(flags: c_uint) -> CUresult;
 pub type FnDriverGetVersion = unsafe extern "C" fn(version: *mut c_int) -> CUresult;
 pub type FnGetErrorName = unsafe extern "C" fn(error: CUresult, p_str: *mut *const c_char) -> CUresult;
@@ -107,6 +113,13 @@ pub type FnEventCreate = unsafe extern "C" fn(event: *mut CUevent, flags: c_uint
 pub type FnEventRecord = unsafe extern "C" fn(event: CUevent, stream: CUstream) -> CUresult;
 /// cuEventQuery, cuEventSynchronize, cuEventDestroy_v2.
 pub type FnEventOp = unsafe extern "C" fn(event: CUevent) -> CUresult;
+/// `cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)`.
+pub type FnDeviceGetAttribute = unsafe extern "C" fn(pi: *mut c_int, attrib: c_int, dev: CUdevice) -> CUresult;
+/// `cuMemGetHandleForAddressRange(void *handle, CUdeviceptr dptr, size_t size,
+/// CUmemRangeHandleType handleType, unsigned long long flags)`; for a dma-buf the driver
+/// writes an `int` fd through `handle`.
+pub type FnMemGetHandleForAddressRange =
+    unsafe extern "C" fn(handle: *mut c_void, dptr: CUdeviceptr, size: usize, handle_type: c_int, flags: u64) -> CUresult;
 pub type FnMemHostAlloc = unsafe extern "C" fn(pp: *mut *mut c_void, bytesize: usize, flags: c_uint) -> CUresult;
 pub type FnMemFreeHost = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
 pub type FnMemHostRegister = unsafe extern "C" fn(p: *mut c_void, bytesize: usize, flags: c_uint) -> CUresult;

@@ -887,3 +887,98 @@ fn gpu_vmm_export_import() {
     let p = Context::primary(0).unwrap();
     println!("gpu vmm ok: {}", vmm_checks(&p));
 }
+
+// ---------------------------------------------------------------------------------------
+// dma-buf export: the fd and offset a provider registers device memory by.
+
+/// Reads `n` bytes of `fd` at `off` (the stand-in's dma-buf is a memfd; a real one cannot
+/// be read, only imported by a device driver).
+fn pread_fd(fd: std::os::fd::BorrowedFd<'_>, off: u64, n: usize) -> Vec<u8> {
+    use std::os::fd::AsRawFd;
+    let mut v = vec![0u8; n];
+    // SAFETY: v has room for n bytes; fd is open for the call.
+    let got = unsafe { libc::pread(fd.as_raw_fd(), v.as_mut_ptr() as *mut c_void, n, off as i64) };
+    assert_eq!(got, n as isize, "pread of the dma-buf fd");
+    v
+}
+
+/// What the driver exports: whole pages from the allocation's start, with the registered
+/// range's offset kept; on the stand-in the fd's bytes are the device bytes. Returns a line
+/// saying what a VMM range over two chunks got.
+fn dmabuf_checks(p: &PrimaryContext, readable: bool) -> String {
+    let d = Driver::get().unwrap();
+    let page = dmabuf::page_size();
+    let ctx = p.context();
+    let before = Context::current().unwrap();
+    let buf = DeviceBuffer::new(&ctx, 3 * page as usize).unwrap();
+    let pattern: Vec<u8> = (0..buf.len()).map(|i| (i * 7 + 3) as u8).collect();
+    buf.write(0, &pattern).unwrap();
+    let whole = d.dmabuf(&ctx, p.ordinal(), buf.addr(), buf.len() as u64).unwrap().expect("device memory exports a dma-buf");
+    assert_eq!((whole.base, whole.offset, whole.len), (buf.addr(), 0, buf.len() as u64));
+    // A range that starts inside the first page: the same pages, the offset kept.
+    let inner = d.dmabuf(&ctx, p.ordinal(), buf.addr() + 100, 50).unwrap().expect("inner range");
+    assert_eq!((inner.base, inner.offset, inner.len), (buf.addr(), 100, 50));
+    if readable {
+        assert_eq!(pread_fd(whole.fd(), 0, buf.len()), pattern);
+        assert_eq!(pread_fd(inner.fd(), inner.offset, 50), pattern[100..150].to_vec());
+    }
+    // The call pushes the memory's context and leaves the thread's own as it was.
+    assert_eq!(Context::current().unwrap(), before);
+    // VMM memory: one chunk, and a range over two.
+    let g = VmmBuffer::granularity(p.ordinal(), false).unwrap();
+    let v = VmmBuffer::new(p, p.ordinal(), 2, g, false).unwrap();
+    let one = d.dmabuf(&ctx, p.ordinal(), v.addr(), g).unwrap().expect("one VMM chunk exports");
+    assert_eq!((one.base, one.offset), (v.addr(), 0));
+    match d.dmabuf(&ctx, p.ordinal(), v.addr(), v.len()) {
+        Ok(Some(_)) => "a range over two VMM chunks exports as one dma-buf".into(),
+        Ok(None) => "a range over two VMM chunks: not supported".into(),
+        Err(e) => format!("a range over two VMM chunks is refused ({e})"),
+    }
+}
+
+#[test]
+fn mock_dmabuf() {
+    let Some(lib) = build_mock("dmabuf") else { return };
+    let out = run_child(&lib, "mock_dmabuf_child", &[]);
+    assert!(out.contains("mock dmabuf ok: a range over two VMM chunks is refused"), "{out}");
+    run_child(&lib, "mock_dmabuf_refused_child", &[("MOCK_CUDA_NO_DMABUF", "1")]);
+    run_child(&lib, "mock_dmabuf_refused_child", &[("MOCK_CUDA_DMABUF_FAIL", "1")]);
+    let _ = std::fs::remove_dir_all(lib.parent().unwrap());
+}
+
+#[test]
+#[ignore = "run by mock_dmabuf in a child process"]
+fn mock_dmabuf_child() {
+    if !in_mock_child() {
+        return;
+    }
+    let p = Context::primary(0).unwrap();
+    assert!(Driver::get().unwrap().dmabuf_supported(0).unwrap());
+    println!("mock dmabuf ok: {}", dmabuf_checks(&p, true));
+}
+
+/// A device without dma-buf support (attribute 0), or a driver that answers
+/// CUDA_ERROR_NOT_SUPPORTED: no dma-buf, and no error.
+#[test]
+#[ignore = "run by mock_dmabuf in a child process"]
+fn mock_dmabuf_refused_child() {
+    if !in_mock_child() {
+        return;
+    }
+    let d = Driver::get().unwrap();
+    let p = Context::primary(0).unwrap();
+    assert_eq!(d.dmabuf_supported(0).unwrap(), std::env::var("MOCK_CUDA_NO_DMABUF").is_err());
+    let buf = DeviceBuffer::new(&p.context(), 4096).unwrap();
+    assert!(d.dmabuf(&p.context(), 0, buf.addr(), 4096).unwrap().is_none());
+}
+
+#[test]
+fn gpu_dmabuf_export() {
+    let Some(d) = gpu() else { return };
+    let p = Context::primary(0).unwrap();
+    if !d.dmabuf_supported(0).unwrap_or(false) {
+        println!("gpu dmabuf: device 0 does not export dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0 or no entry point)");
+        return;
+    }
+    println!("gpu dmabuf ok: {}", dmabuf_checks(&p, false));
+}

@@ -156,6 +156,18 @@ impl Driver {
         Ok(mrs)
     }
 
+    /// Registers device memory with the provider by the first kind `policy` allows and
+    /// every rail takes (gpu_reg.rs), keys as for `register`.
+    ///
+    /// # Safety
+    /// As for `register`.
+    pub unsafe fn register_vram(&mut self, addr: u64, len: u64, dev: &DeviceMem, policy: crate::config::VramPolicy,
+                                export: &dyn Fn() -> crate::cuda::Result<Option<crate::cuda::DmaBuf>>,
+                                apply_ctx: &dyn Fn() -> Result<()>) -> Result<super::gpu_reg::Registered> {
+        // SAFETY: forwarded from the caller.
+        unsafe { super::gpu_reg::register(&self.rails, &mut self.next_key, policy, addr, len, dev, export, apply_ctx) }
+    }
+
     /// Device memory is being registered: every transport sets up what it needs for it.
     pub fn prepare(&mut self, dev: &DeviceMem) -> Result<()> {
         for t in self.transports.iter_mut() {

@@ -12,7 +12,7 @@ use crate::error::Status;
 use std::sync::Arc;
 use std::time::Instant;
 
-fn driver(b: &Bench) -> (Driver, Arc<Inbox<Driver>>) {
+pub(super) fn driver(b: &Bench) -> (Driver, Arc<Inbox<Driver>>) {
     let inbox: Arc<Inbox<Driver>> = Arc::default();
     let d = Driver::new(b.core.clone(), inbox.clone(), b.rails.clone(), |rails| {
         Ok(vec![
@@ -28,7 +28,7 @@ fn driver(b: &Bench) -> (Driver, Arc<Inbox<Driver>>) {
 }
 
 /// What Engine::post does to a request before handing it over.
-fn post(inbox: &Inbox<Driver>, req: &Arc<Request>, notif: Option<&[u8]>) {
+pub(super) fn post(inbox: &Inbox<Driver>, req: &Arc<Request>, notif: Option<&[u8]>) {
     {
         let mut st = req.state();
         st.epoch += 1;
@@ -46,7 +46,7 @@ fn post(inbox: &Inbox<Driver>, req: &Arc<Request>, notif: Option<&[u8]>) {
     inbox.push(Submit::Post(req.clone()));
 }
 
-fn until_done(d: &mut Driver, req: &Request) -> Status {
+pub(super) fn until_done(d: &mut Driver, req: &Request) -> Status {
     for _ in 0..10_000 {
         d.pass();
         if req.status() != Status::NF_IN_PROG {

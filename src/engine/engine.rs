@@ -15,7 +15,7 @@ use super::request::{Op, Phase, Request, Target};
 use super::scheduler::{self, Pair, RailShape, Reach};
 use super::transport::{self, Transport};
 use super::wire::{self, ConnInfo, MemDesc, RailAddr};
-use super::{cma, gpu, ipc_export, local_peers, progress, rail_threads};
+use super::{cma, gpu, gpu_reg, ipc_export, local_peers, progress, rail_threads};
 use crate::config::Config;
 use crate::cuda;
 use crate::error::{Error, Result, Status};
@@ -51,9 +51,6 @@ pub fn cuda_summary() -> String {
         Err(e) => format!("not available ({e})"),
     }
 }
-
-/// FI_HMEM interface number of CUDA (enum fi_hmem_iface).
-const FI_HMEM_CUDA: u32 = 1;
 
 /// Requests of at most this many segments and bytes start on the caller's thread
 /// (Engine::post); shm's fast RMA copies inside that pass, so the bytes bound its time.
@@ -133,7 +130,6 @@ impl Engine {
         let shapes = rails.iter().map(|r| RailShape {
             max_msg: r.caps.max_msg_size.max(4096),
             virt_addr: r.caps.virt_addr,
-            hmem: r.caps.hmem,
             provider: r.caps.prov_name.clone(),
             order_saw: r.caps.order_saw,
         }).collect();
@@ -271,36 +267,40 @@ impl Engine {
             Some(i) if i.context.is_none() => Some(crate::cuda::Context::primary(i.device_ordinal.unwrap_or(0))?),
             _ => None,
         };
-        let zero_copy = self.shapes.iter().all(|s| s.hmem);
+        let policy = self.core.cfg.vram_policy()?;
         let dev = match info {
             Some(i) => Some(gpu::DeviceMem {
                 ctx: i.context.or(primary.as_ref().map(|p| p.context()))
                     .ok_or_else(|| Error::Backend("device memory without a context".into()))?,
                 ordinal: i.device_ordinal.unwrap_or(0),
-                staged: !zero_copy,
+                // Decided by the registration below.
+                staged: true,
             }),
             None => None,
         };
-        let mrs = match dev {
-            // SAFETY (all three): NIXL keeps registered memory allocated until it is
+        let mut vram = None;
+        let (mrs, dev) = match dev {
+            // SAFETY (both): NIXL keeps registered memory allocated until it is
             // deregistered, which drops the LocalMem and with it these registrations.
-            None => self.on_driver("registering memory", move |d| unsafe { d.register(addr, len, None) })??,
-            Some(dm) if dm.staged => {
-                self.on_driver("preparing for device memory", move |d| d.prepare(&dm))??;
-                Vec::new()
-            }
+            None => (self.on_driver("registering memory", move |d| unsafe { d.register(addr, len, None) })??, None),
             Some(dm) => {
                 let core = self.core.clone();
-                self.on_driver("registering device memory", move |d| {
-                    core.apply_ctx(&dm.ctx)?;
-                    d.prepare(&dm)?;
+                let r = self.on_driver("registering device memory", move |d| -> Result<(gpu_reg::Registered, gpu::DeviceMem)> {
+                    let export = || crate::cuda::Driver::get()?.dmabuf(&dm.ctx, dm.ordinal, addr, len);
+                    let apply = || core.apply_ctx(&dm.ctx);
                     // SAFETY: as above.
-                    unsafe { d.register(addr, len, Some((FI_HMEM_CUDA, dm.ordinal))) }
-                })??
+                    let r = unsafe { d.register_vram(addr, len, &dm, policy, &export, &apply) }?;
+                    let dm = gpu::DeviceMem { staged: r.kind == gpu_reg::VramReg::Staged, ..dm };
+                    d.prepare(&dm)?;
+                    Ok((r, dm))
+                })??;
+                gpu_reg::log_kind(&self.core.name, &self.core.gpu, &r.0);
+                vram = Some((r.1, r.0.kind));
+                (r.0.mrs, Some(r.1))
             }
         };
         log::debug!("{}: registered {kind:?} [{addr:#x}, +{len}){}", self.core.name,
-            dev.map_or(String::new(), |d| format!(" on GPU {} ({})", d.ordinal, if d.staged { "staged" } else { "FI_HMEM" })));
+            vram.map_or(String::new(), |(d, k)| format!(" on GPU {} ({})", d.ordinal, k.name())));
         let mut m = LocalMem::new(self.core.engine_id, addr, len, kind, dev_id, self.shapes.len(), mrs,
             self.core.closeq.clone(), dev, Some(self.core.gpu.clone()));
         m.primary = primary;

@@ -16,6 +16,7 @@ mod driver_tests;
 mod engine;
 mod fd_share;
 mod gpu;
+mod gpu_reg;
 mod ids;
 mod inbox;
 mod ipc_cache;

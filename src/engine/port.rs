@@ -3,7 +3,7 @@
 //! transport against a fake rail that answers FI_EAGAIN, fails posts, and delivers error,
 //! late and out-of-order completions (transport/fake.rs).
 use crate::error::Result;
-use crate::fabric::{Completion, CqError, FiAddr, MemoryRegion, Posted, Rail, RailCaps, RmaSeg};
+use crate::fabric::{Completion, CqError, DmaBufRange, FiAddr, MemoryRegion, Posted, Rail, RailCaps, RmaSeg};
 use std::ffi::c_void;
 
 /// One registration on one rail: the key peers name it by, our local descriptor, and the
@@ -39,6 +39,14 @@ pub trait Port: Send + Sync {
     /// The memory must stay allocated while the returned `Mr` lives: peers may read and
     /// write it through its key until then.
     unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<Mr>;
+
+    /// Registers device memory by dma-buf (FI_MR_DMABUF) with FI_HMEM interface and device
+    /// `hmem`; refused where `caps().dmabuf` is false.
+    ///
+    /// # Safety
+    /// As for `register`: the memory at `buf.base + buf.offset` stays allocated and mapped
+    /// while the returned `Mr` lives.
+    unsafe fn register_dmabuf(&self, buf: &DmaBufRange<'_>, key: u64, hmem: (u32, i32)) -> Result<Mr>;
 
     fn av_insert(&self, addr: &[u8]) -> Result<FiAddr>;
     fn av_remove(&self, a: FiAddr);
@@ -89,6 +97,11 @@ impl Port for Rail {
     unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<Mr> {
         // SAFETY: forwarded: the caller keeps the memory allocated while the Mr lives.
         let mr = unsafe { Rail::register(self, addr, len, key, hmem) }?;
+        Ok(Mr { key: mr.key, desc: mr.desc, _mr: Some(mr) })
+    }
+    unsafe fn register_dmabuf(&self, buf: &DmaBufRange<'_>, key: u64, hmem: (u32, i32)) -> Result<Mr> {
+        // SAFETY: forwarded: the caller keeps the memory mapped while the Mr lives.
+        let mr = unsafe { Rail::register_dmabuf(self, buf, key, hmem) }?;
         Ok(Mr { key: mr.key, desc: mr.desc, _mr: Some(mr) })
     }
     fn av_insert(&self, addr: &[u8]) -> Result<FiAddr> {

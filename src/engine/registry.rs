@@ -169,6 +169,8 @@ pub struct GpuRegistry {
     regions: Mutex<BTreeMap<u64, Weak<LocalMem>>>,
     contexts: Mutex<Vec<(cuda::Context, usize)>>,
     version: AtomicU64,
+    /// Registration kinds (gpu_reg::VramReg bits) already named in the log.
+    logged_kinds: std::sync::atomic::AtomicU8,
 }
 
 impl GpuRegistry {
@@ -211,6 +213,11 @@ impl GpuRegistry {
 
     pub fn version(&self) -> u64 {
         self.version.load(Ordering::Acquire)
+    }
+
+    /// True the first time a registration kind (its bit) is seen by this engine.
+    pub fn first_of_kind(&self, bit: u8) -> bool {
+        self.logged_kinds.fetch_or(bit, Ordering::Relaxed) & bit == 0
     }
 
     pub fn has_contexts(&self) -> bool {

@@ -34,7 +34,6 @@ pub struct Pair<'a> {
 pub struct RailShape {
     pub max_msg: u64,
     pub virt_addr: bool,
-    pub hmem: bool,
     pub provider: String,
     /// The rail orders a send after writes (RailCaps::order_saw): on rail 0, a notification
     /// can follow its data at once.
@@ -438,7 +437,7 @@ mod tests {
     }
 
     fn shapes(n: usize) -> Vec<RailShape> {
-        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, hmem: false, provider: "tcp".into(), order_saw: false }).collect()
+        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, provider: "tcp".into(), order_saw: false }).collect()
     }
 
     fn mem(engine: u64, base: u64, len: u64, rails: usize) -> Arc<LocalMem> {

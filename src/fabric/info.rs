@@ -1,6 +1,6 @@
 //! Provider discovery: which fi_info entries become rails.
 use super::sys;
-use super::{fab_err, library_major, API_VERSION};
+use super::{api_version, fab_err, library_major};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use std::ffi::{CStr, CString};
@@ -17,6 +17,8 @@ pub struct RailSpec {
     pub delivery_complete: bool,
     /// Provider faults to inject on rails opened from this entry (config `fault_inject`).
     pub(crate) fault: Option<super::FaultSpec>,
+    /// The libfabric API version the entry was asked for (and its fabric opens with).
+    pub api_version: u32,
 }
 
 // SAFETY: the fi_info copy is owned and only read after construction.
@@ -41,6 +43,7 @@ impl Clone for RailSpec {
             fabric_name: self.fabric_name.clone(),
             delivery_complete: self.delivery_complete,
             fault: self.fault.clone(),
+            api_version: self.api_version,
         }
     }
 }
@@ -129,7 +132,7 @@ fn getinfo_order(prov: &str, delivery_complete: bool, hmem: bool, msg_order: u64
     }
     let mut out: *mut sys::fi_info = ptr::null_mut();
     // SAFETY: hints is valid; out receives a list we own.
-    let ret = unsafe { sys::fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, hints.0, &mut out) };
+    let ret = unsafe { sys::fi_getinfo(api_version(hmem), ptr::null(), ptr::null(), 0, hints.0, &mut out) };
     if ret != 0 {
         return Err(fab_err("fi_getinfo", None, ret as i64));
     }
@@ -222,7 +225,7 @@ pub fn discover(cfg: &Config, want_hmem: bool) -> Result<Vec<RailSpec>> {
                 if dup.is_null() {
                     return Err(Error::Backend("fi_dupinfo returned NULL".into()));
                 }
-                specs.push(RailSpec { info: dup, prov_name: pn, domain_name: dn, fabric_name: fname, delivery_complete: dc, fault: fault.clone() });
+                specs.push(RailSpec { info: dup, prov_name: pn, domain_name: dn, fabric_name: fname, delivery_complete: dc, fault: fault.clone(), api_version: api_version(hmem) });
             }
             return Ok(specs);
         }

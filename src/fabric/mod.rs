@@ -8,13 +8,24 @@ mod rail;
 mod domain_lock;
 
 pub use info::{discover, provider_list, ProviderSummary, RailSpec};
-pub use rail::{Completion, CqError, FaultCounts, FaultSpec, MemoryRegion, Posted, Posting, Rail, RailCaps, RmaSeg, MAX_RMA_BATCH};
+pub use rail::{Completion, CqError, DmaBufRange, FaultCounts, FaultSpec, MemoryRegion, Posted, Posting, Rail, RailCaps, RmaSeg, MAX_RMA_BATCH};
 
 /// libfabric's address handle of a peer endpoint in one rail's address vector.
 pub type FiAddr = u64;
 
 /// The API version we ask for: 1.17 is the oldest we build against; 2.x accepts it.
 pub(crate) const API_VERSION: u32 = (1 << 16) | 17;
+
+/// The API version that has dma-buf registrations (FI_MR_DMABUF, struct fi_mr_dmabuf): a
+/// fabric opened with an older one reads the registration's dma-buf as an iovec.
+pub(crate) const API_VERSION_DMABUF: u32 = (1 << 16) | 20;
+
+/// The API version to open rails with: 1.20 for FI_HMEM rails where the library has it
+/// (so device memory can be registered by dma-buf), else 1.17, which every path was
+/// built and tested on. Rails without FI_HMEM never register device memory.
+pub(crate) fn api_version(hmem: bool) -> u32 {
+    if hmem && runtime_version() >= API_VERSION_DMABUF { API_VERSION_DMABUF } else { API_VERSION }
+}
 
 /// The runtime library's version, e.g. "1.17".
 pub fn library_version() -> String {
@@ -27,7 +38,7 @@ pub(crate) fn library_major() -> u32 {
     runtime_version() >> 16
 }
 
-fn runtime_version() -> u32 {
+pub(crate) fn runtime_version() -> u32 {
     // SAFETY: fi_version takes no arguments and only reads constants.
     unsafe { sys::fi_version() }
 }

@@ -7,11 +7,14 @@ use crate::config::parse_bool;
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::ffi::c_void;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 mod fault;
 mod outbox;
+#[cfg(test)]
+mod dmabuf_tests;
 pub use fault::{FaultCounts, FaultSpec};
 pub use outbox::Posting;
 
@@ -59,7 +62,25 @@ pub struct RailCaps {
     pub cq_data_size: usize,
     pub needs_context: bool,
     pub hmem: bool,
+    /// Device memory can be registered by dma-buf (FI_MR_DMABUF): an FI_HMEM rail of a
+    /// fabric opened with API 1.20 or later (fi_mr(3)).
+    pub dmabuf: bool,
     pub threading: u32,
+}
+
+impl RailCaps {
+    /// Why `dmabuf` is false (for log lines).
+    pub fn no_dmabuf_reason(&self) -> String {
+        if !self.hmem {
+            format!("{} offers no FI_HMEM", self.prov_name)
+        } else if super::runtime_version() < super::API_VERSION_DMABUF {
+            format!("dma-buf registration needs libfabric API 1.20 (library {})", super::library_version())
+        } else if !self.virt_addr {
+            format!("{} addresses regions by offset, which libfabric's MR map gets wrong for a dma-buf", self.prov_name)
+        } else {
+            "dma-buf registration is available".into()
+        }
+    }
 }
 
 /// One completion entry: the context we posted with, its flags, and the received length.
@@ -97,8 +118,22 @@ pub struct MemoryRegion {
     raw: *mut sys::fid_mr,
     pub desc: *mut c_void,
     pub key: u64,
+    /// A dma-buf registration keeps its own handle of the buffer until the MR is closed
+    /// (declared after `raw`'s close in Drop: fields drop after the body runs).
+    _dmabuf: Option<OwnedFd>,
     _domain: Arc<Domain>,
     calls: Arc<DomainLock>,
+}
+
+/// Device memory as a dma-buf range for [`Rail::register_dmabuf`]: bytes
+/// `[offset, offset + len)` of the buffer `fd`, whose byte 0 is at device address `base`
+/// (so the region's address is `base + offset`, as fi_mr(3) defines it).
+#[derive(Clone, Copy, Debug)]
+pub struct DmaBufRange<'a> {
+    pub fd: BorrowedFd<'a>,
+    pub base: u64,
+    pub offset: u64,
+    pub len: usize,
 }
 // SAFETY: desc and key are plain values readable anywhere; close happens on drop by the
 // rail's owner.
@@ -230,6 +265,13 @@ impl Rail {
                 cq_data_size: d.cq_data_size,
                 needs_context: flag(i.mode, sys::FI_CONTEXT | sys::FI_CONTEXT2),
                 hmem: flag(i.caps, sys::FI_HMEM),
+                // Only where peers address regions by virtual address: libfabric 2.1's
+                // util MR map (shm, tcp) takes an offset-addressed region's base from the
+                // attribute's iovec even when it holds a dma-buf, so the region lands at an
+                // address made of the fd number (found here: shm's RMA into such a region
+                // fails "out of registered range" on the target and never completes).
+                dmabuf: flag(i.caps, sys::FI_HMEM) && spec.api_version >= super::API_VERSION_DMABUF
+                    && flag(mr, sys::FI_MR_VIRT_ADDR as u64),
                 threading: d.threading,
             }
         };
@@ -279,7 +321,48 @@ impl Rail {
         }
         // SAFETY: raw is a live MR.
         let (desc, key) = unsafe { (sys::nf_fi_mr_desc(raw), sys::nf_fi_mr_key(raw)) };
-        Ok(MemoryRegion { raw, desc, key, _domain: self.domain.clone(), calls: self.calls.clone() })
+        Ok(MemoryRegion { raw, desc, key, _dmabuf: None, _domain: self.domain.clone(), calls: self.calls.clone() })
+    }
+
+    /// Registers device memory given as a dma-buf (FI_MR_DMABUF) with the FI_HMEM interface
+    /// and device `hmem`, for local and remote access; `key` as for [`Rail::register`].
+    /// Refused (NotSupported) on a rail without `caps.dmabuf`, where the flag would be
+    /// unknown to the library or read under an older API's layout.
+    ///
+    /// # Safety
+    /// `buf` names device memory of this process that stays allocated and mapped at
+    /// `buf.base + buf.offset` for `buf.len` bytes until the returned region is dropped.
+    pub unsafe fn register_dmabuf(&self, buf: &DmaBufRange<'_>, key: u64, hmem: (u32, i32)) -> Result<MemoryRegion> {
+        if !self.caps.dmabuf {
+            return Err(Error::NotSupported(format!("rail {}: {}", self.index, self.caps.no_dmabuf_reason())));
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.reg_dmabuf_unchecked(buf, key, hmem) }
+    }
+
+    /// `register_dmabuf` without the capability check (the tests use it to reach the
+    /// provider where the engine would not).
+    ///
+    /// # Safety
+    /// As for `register_dmabuf`.
+    unsafe fn reg_dmabuf_unchecked(&self, buf: &DmaBufRange<'_>, key: u64, hmem: (u32, i32)) -> Result<MemoryRegion> {
+        // The region holds a handle of its own: the caller's may close before the MR does.
+        let own = buf.fd.try_clone_to_owned().map_err(|e| Error::Backend(format!("dup of a dma-buf fd: {e}")))?;
+        let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
+        let mut raw = std::ptr::null_mut();
+        let _domain = self.calls.lock();
+        // SAFETY: domain is live; the shim builds the attribute and dma-buf structs for this
+        // call only; the caller keeps the memory mapped while the region lives.
+        let ret = unsafe {
+            sys::nf_fi_mr_reg_dmabuf(self.domain.raw, own.as_raw_fd(), buf.offset, buf.len, buf.base as *mut c_void,
+                                     access, key, hmem.0 as i32, hmem.1, &mut raw)
+        };
+        if ret != 0 {
+            return Err(fab_err("fi_mr_regattr(FI_MR_DMABUF)", Some(self.index), ret as i64));
+        }
+        // SAFETY: raw is a live MR.
+        let (desc, key) = unsafe { (sys::nf_fi_mr_desc(raw), sys::nf_fi_mr_key(raw)) };
+        Ok(MemoryRegion { raw, desc, key, _dmabuf: Some(own), _domain: self.domain.clone(), calls: self.calls.clone() })
     }
 
     pub fn av_insert(&self, addr: &[u8]) -> Result<FiAddr> {
@@ -572,9 +655,18 @@ impl Rail {
             return Ok(0);
         }
         if ret == -(sys::FI_EAVAIL as isize) {
-            let mut e: sys::fi_cq_err_entry = Default::default();
-            // SAFETY: e is a valid error-entry buffer.
-            let r = unsafe { sys::nf_fi_cq_readerr(self.cq.raw, &mut e, 0) };
+            // A fabric opened with API 1.20 or later gets the library's whole error entry,
+            // longer than the 1.17 layout we build against (2.x added src_addr): room for it.
+            #[repr(C)]
+            #[derive(Default)]
+            struct ErrEntry {
+                e: sys::fi_cq_err_entry,
+                _room: [u64; 16],
+            }
+            let mut buf_e = ErrEntry::default();
+            // SAFETY: buf_e has room for any version's error entry.
+            let r = unsafe { sys::nf_fi_cq_readerr(self.cq.raw, &mut buf_e.e, 0) };
+            let e = buf_e.e;
             if r < 0 {
                 return Ok(0);
             }

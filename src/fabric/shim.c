@@ -21,20 +21,62 @@ int nf_fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t
 { return fi_av_insert(av, addr, count, fi_addr, flags, NULL); }
 int nf_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count)
 { return fi_av_remove(av, fi_addr, count, 0); }
+/* fi_mr_attr as the library reads it. A fabric opened with API version >= 1.19 has the
+ * library read fields that 1.17's headers do not declare (hmem_data from 1.19, page_size
+ * from 1.22, base_mr and sub_mr_cnt from 2.0), so the attribute lives in a zeroed block
+ * larger than any layout: the fields our headers lack read as NULL/0. */
+union nf_mr_attr {
+	struct fi_mr_attr attr;
+	char room[sizeof(struct fi_mr_attr) + 128];
+};
+
+static int nf_mr_regattr(struct fid_domain *domain, union nf_mr_attr *u, uint64_t access, uint64_t key,
+                         int iface, int device, uint64_t flags, struct fid_mr **mr)
+{
+	u->attr.iov_count = 1;
+	u->attr.access = access;
+	u->attr.requested_key = key;
+	u->attr.iface = (enum fi_hmem_iface)iface;
+	if (iface == FI_HMEM_CUDA)
+		u->attr.device.cuda = device;
+	return fi_mr_regattr(domain, &u->attr, flags, mr);
+}
+
 int nf_fi_mr_reg_buf(struct fid_domain *domain, void *buf, size_t len, uint64_t access, uint64_t key,
                      int iface, int device, struct fid_mr **mr)
 {
 	struct iovec iov = { .iov_base = buf, .iov_len = len };
-	struct fi_mr_attr attr;
-	memset(&attr, 0, sizeof attr);
-	attr.mr_iov = &iov;
-	attr.iov_count = 1;
-	attr.access = access;
-	attr.requested_key = key;
-	attr.iface = (enum fi_hmem_iface)iface;
-	if (iface == FI_HMEM_CUDA)
-		attr.device.cuda = device;
-	return fi_mr_regattr(domain, &attr, 0, mr);
+	union nf_mr_attr u;
+	memset(&u, 0, sizeof u);
+	u.attr.mr_iov = &iov;
+	return nf_mr_regattr(domain, &u, access, key, iface, device, 0, mr);
+}
+
+/* fi_mr(3) of libfabric >= 1.20: "struct fi_mr_dmabuf { int fd; uint64_t offset; size_t len;
+ * void *base_addr; }", selected over mr_iov (the same union slot of fi_mr_attr) by the
+ * registration flag FI_MR_DMABUF, (1ULL << 40) in fi_domain.h. Declared here under our own
+ * name because the 1.17 headers we build against lack both; the caller uses this only
+ * where the library at run time is >= 1.20 and the fabric was opened with API 1.20. */
+struct nf_fi_mr_dmabuf {
+	int fd;
+	uint64_t offset;
+	size_t len;
+	void *base_addr;
+};
+#define NF_FI_MR_DMABUF (1ULL << 40)
+#ifdef FI_MR_DMABUF
+_Static_assert(FI_MR_DMABUF == NF_FI_MR_DMABUF, "FI_MR_DMABUF as fi_mr(3) documents it");
+_Static_assert(sizeof(struct fi_mr_dmabuf) == sizeof(struct nf_fi_mr_dmabuf), "fi_mr_dmabuf layout");
+#endif
+
+int nf_fi_mr_reg_dmabuf(struct fid_domain *domain, int fd, uint64_t offset, size_t len, void *base_addr,
+                        uint64_t access, uint64_t key, int iface, int device, struct fid_mr **mr)
+{
+	struct nf_fi_mr_dmabuf d = { .fd = fd, .offset = offset, .len = len, .base_addr = base_addr };
+	union nf_mr_attr u;
+	memset(&u, 0, sizeof u);
+	u.attr.mr_iov = (const struct iovec *)(const void *)&d;
+	return nf_mr_regattr(domain, &u, access, key, iface, device, NF_FI_MR_DMABUF, mr);
 }
 void *nf_fi_mr_desc(struct fid_mr *mr) { return fi_mr_desc(mr); }
 uint64_t nf_fi_mr_key(struct fid_mr *mr) { return fi_mr_key(mr); }

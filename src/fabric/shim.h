@@ -28,6 +28,10 @@ int nf_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count);
  * anonymous union), which C names the same way in both. */
 int nf_fi_mr_reg_buf(struct fid_domain *domain, void *buf, size_t len, uint64_t access, uint64_t key,
                      int iface, int device, struct fid_mr **mr);
+/* The same over a dma-buf (FI_MR_DMABUF, libfabric >= 1.20 at run time only): the region is
+ * bytes [offset, offset + len) of the dma-buf `fd`, whose offset 0 is at `base_addr`. */
+int nf_fi_mr_reg_dmabuf(struct fid_domain *domain, int fd, uint64_t offset, size_t len, void *base_addr,
+                        uint64_t access, uint64_t key, int iface, int device, struct fid_mr **mr);
 void *nf_fi_mr_desc(struct fid_mr *mr);
 uint64_t nf_fi_mr_key(struct fid_mr *mr);
 ssize_t nf_fi_cq_read(struct fid_cq *cq, void *buf, size_t count);

@@ -6,7 +6,7 @@
 #                         (tools/build-libfabric2.sh; built once, reused through its stamp)
 #   make test-lf2         on 2.x: load check, C harness, stock-agent Python suite, quick bench
 #                         (its JSON stays in build/lf2/bench; make lf2-bench keeps a copy)
-#   make lf2-harness | lf2-python | lf2-bench    one part
+#   make lf2-harness | lf2-python | lf2-bench | lf2-gpu    one part
 #   make lf2-bench-compare   quick bench on 1.17 and on 2.x, one after the other
 # Logs: build/lf2/logs/. Bench JSON: bench/results/<date>-lf2-quick.json (+ .png).
 LF2_DEB_VERSION ?= 2.1.0-1.1
@@ -27,7 +27,7 @@ LF2_PYTEST_ARGS        ?=
 LF2_BENCH_ARGS         ?= --quick --configs ours-tcp,ours-shm,ours-tcp-default,ucx
 LF2_BENCH_DATE          = $(shell date +%F)
 
-.PHONY: lf2-build lf2-check lf2-harness lf2-python lf2-bench-run lf2-bench lf2-bench-compare test-lf2
+.PHONY: lf2-build lf2-check lf2-harness lf2-python lf2-bench-run lf2-bench lf2-bench-compare lf2-gpu test-lf2
 
 $(LF2_STAMP):
 	LF_DEB_VERSION=$(LF2_DEB_VERSION) LF2_DIR=$(LF2_DIR) bash $(ROOT)/tools/build-libfabric2.sh
@@ -81,7 +81,15 @@ lf2-bench-compare: lf2-bench
 	@for f in $(BUILD)/lf117-bench/*.json; do cp -f "$$f" $(ROOT)/bench/results/$(LF2_BENCH_DATE)-lf117-quick.json; done
 	@echo "lf2-bench-compare: bench/results/$(LF2_BENCH_DATE)-lf117-quick.json next to $(LF2_BENCH_DATE)-lf2-quick.json"
 
-test-lf2: lf2-check lf2-harness lf2-python lf2-bench-run
+# VRAM over shm on 2.x under the stand-in CUDA driver: API 1.20, no dma-buf (shm addresses
+# regions by offset), the CUDA interface refused (no CUDA in this build): staged, and said so.
+lf2-gpu: build lf2-check $(GPU_HARNESS) $(MOCK_CUDA)
+	@mkdir -p $(LF2_LOGS); set -o pipefail; env $(LF2_ENV) NIXL_FABRIC_LOG=info GPU_HARNESS_PROVIDER=shm NIXL_FABRIC_CUDA_LIB=$(MOCK_CUDA) \
+	  GPU_HARNESS_NO_BW=1 timeout 300 $(GPU_HARNESS) 2>&1 | tee $(LF2_LOGS)/gpu-shm.log | grep -E '^(FAIL|[0-9]+ passed)'
+	@grep -q 'GPU memory is staged through host memory .*no dma-buf registration: shm addresses regions by offset' \
+	  $(LF2_LOGS)/gpu-shm.log || { echo "lf2-gpu: no INFO line naming the shm fallback"; exit 1; }
+
+test-lf2: lf2-check lf2-harness lf2-python lf2-bench-run lf2-gpu
 	@echo "test-lf2: libfabric $(LF2_MAJMIN) ($(LF2_LIB)): load check, C harness, Python suite and quick bench passed"
 
 TEST_TARGETS += test-lf2

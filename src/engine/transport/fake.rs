@@ -14,7 +14,7 @@ use crate::engine::port::{Mr, Port};
 use crate::engine::registry::CloseQueue;
 use crate::engine::wire::{ConnInfo, RailAddr};
 use crate::error::{Error, Result};
-use crate::fabric::{Completion, CqError, FiAddr, Posted, RailCaps, RmaSeg};
+use crate::fabric::{Completion, CqError, DmaBufRange, FiAddr, Posted, RailCaps, RmaSeg};
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -58,6 +58,11 @@ struct State {
     /// Every accepted post in order: W write, R read, N notification send, C other send.
     order: String,
     next_addr: FiAddr,
+    /// Device registrations refused, by kind ("dmabuf", "hmem"), as a provider would.
+    refuse_reg: Vec<&'static str>,
+    /// Device registrations made: kind, range, and the CUDA context that owns the memory
+    /// (None where no driver says), which a post touching the range needs current.
+    regions: Vec<(&'static str, u64, u64, Option<usize>)>,
 }
 
 pub struct FakePort {
@@ -98,6 +103,7 @@ pub fn caps_ordered(order_raw: bool, order_saw: bool) -> RailCaps {
         cq_data_size: 0,
         needs_context: true,
         hmem: false,
+        dmabuf: false,
         threading: 0,
     }
 }
@@ -110,6 +116,48 @@ impl FakePort {
     /// Every accepted post so far, in order: W write, R read, N notification, C other send.
     pub fn order(&self) -> String {
         self.st().order.clone()
+    }
+
+    /// Device registrations of `kind` ("dmabuf", "hmem") are refused from now on.
+    pub fn refuse_registration(&self, kind: &'static str) {
+        self.st().refuse_reg.push(kind);
+    }
+
+    /// Device registrations made so far: (kind, address, length).
+    pub fn device_registrations(&self) -> Vec<(&'static str, u64, u64)> {
+        self.st().regions.iter().map(|r| (r.0, r.1, r.2)).collect()
+    }
+
+    /// A device registration of `kind`, as a CUDA-enabled provider makes it: refused when
+    /// the test says so, else remembered with the context owning the memory.
+    fn register_device(&self, kind: &'static str, addr: u64, len: u64, key: u64) -> Result<Mr> {
+        let mut s = self.st();
+        if s.refuse_reg.contains(&kind) {
+            return Err(Error::Fabric { op: "fi_mr_regattr", rail: Some(self.index), code: -libc::ENOSYS, detail: format!("injected: no {kind} registration") });
+        }
+        let owner = crate::cuda::pointer_info(addr).ok().and_then(|i| match i.context {
+            Some(c) => Some(c.id()),
+            None => i.device_ordinal.and_then(|o| crate::cuda::Context::primary(o).ok()).map(|p| p.context().id()),
+        });
+        s.regions.push((kind, addr, len, owner));
+        Ok(Mr::detached(key, std::ptr::null_mut()))
+    }
+
+    /// A CUDA-enabled provider copies device memory with the CUDA context current on the
+    /// calling thread (libfabric's shm does, in the post and in progress): a post touching a
+    /// device registration without its owner's context current fails, as such a copy would.
+    fn check_context(s: &State, index: usize, segs: &[RmaSeg]) -> Result<()> {
+        for g in segs {
+            let at = g.local as u64;
+            let Some(r) = s.regions.iter().find(|r| at >= r.1 && at < r.1 + r.2) else { continue };
+            let Some(owner) = r.3 else { continue };
+            let current = crate::cuda::Context::current().ok().flatten().map(|c| c.id());
+            if current != Some(owner) {
+                return Err(Error::Fabric { op: "fi_writemsg", rail: Some(index), code: -libc::EFAULT,
+                    detail: format!("{} device memory at {at:#x} touched without its CUDA context current", r.0) });
+            }
+        }
+        Ok(())
     }
 
     fn st(&self) -> std::sync::MutexGuard<'_, State> {
@@ -197,8 +245,14 @@ impl Port for FakePort {
     fn caps(&self) -> &RailCaps {
         &self.caps
     }
-    unsafe fn register(&self, _addr: *const u8, _len: usize, key: u64, _hmem: Option<(u32, i32)>) -> Result<Mr> {
-        Ok(Mr::detached(key, std::ptr::null_mut()))
+    unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<Mr> {
+        match hmem {
+            Some(_) => self.register_device("hmem", addr as u64, len as u64, key),
+            None => Ok(Mr::detached(key, std::ptr::null_mut())),
+        }
+    }
+    unsafe fn register_dmabuf(&self, buf: &DmaBufRange<'_>, key: u64, _hmem: (u32, i32)) -> Result<Mr> {
+        self.register_device("dmabuf", buf.base + buf.offset, buf.len as u64, key)
     }
     fn av_insert(&self, _addr: &[u8]) -> Result<FiAddr> {
         let mut s = self.st();
@@ -213,6 +267,7 @@ impl Port for FakePort {
             Answer::Fail => return Err(Error::Fabric { op: "fi_writemsg", rail: Some(self.index), code: -libc::EIO, detail: "injected post failure".into() }),
             Answer::Accept => {}
         }
+        Self::check_context(&s, self.index, segs)?;
         let mut len = 0;
         for g in segs {
             let (src, dst) = if write { (g.local as *const u8, g.raddr as *mut u8) } else { (g.raddr as *const u8, g.local) };
@@ -324,6 +379,7 @@ impl Bench {
         Self::with_caps(rails, caps_ordered(true, true), Config::defaults())
     }
 
+    /// Rails that all grant `caps` (e.g. FI_HMEM, for device registrations).
     pub fn with_caps(rails: usize, caps: RailCaps, cfg: Config) -> Bench {
         let fakes: Vec<Arc<FakePort>> = (0..rails).map(|i| FakePort::with_caps(i, caps.clone())).collect();
         let ports = fakes.iter().map(|f| f.clone() as Arc<dyn Port>).collect();
