@@ -33,8 +33,9 @@ fn corpus_dir() -> PathBuf {
 fn conn_info(b: &[u8]) -> Result<(), String> {
     let c = ConnInfo::decode(b).map_err(|e| e.to_string())?;
     let mut want = b.to_vec();
-    // flags: bit 0 (a process block follows) is kept, unknown bits are ignored (encoded as 0)
-    want[6..8].copy_from_slice(&[b[6] & 1, 0]);
+    // flags: bit 0 (a process block follows) and bit 1 (rail 0 orders a send after writes)
+    // are kept, unknown bits are ignored (encoded as 0)
+    want[6..8].copy_from_slice(&[b[6] & 3, 0]);
     assert_eq!(c.encode(), want, "connection info re-encodes differently");
     Ok(())
 }
