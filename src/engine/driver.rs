@@ -255,7 +255,9 @@ impl Driver {
                     return self.complete(&req, &mut st, Err(e));
                 }
             }
-            if req.on_rails {
+            // A notification's send completes only once the peer's provider has taken it
+            // (delivery complete), so its progress thread must be spinning too.
+            if req.on_rails || st.notif.is_some() {
                 self.kick(peer.id);
             }
         }

@@ -195,3 +195,20 @@ pub trait Transport: Send {
     /// into memory its owners free once the engine is gone.
     fn quiesce(&mut self, _cx: &mut Cx) {}
 }
+
+/// The gather-copy kernel of `ctx` from a transport's per-context cache, loaded (a PTX JIT)
+/// on first use; None where it cannot run there, not tried again. `ok` says what the
+/// kernel does for the transport, `without` what it does instead (both logged once).
+pub fn copy_kernel<'k>(kernels: &'k mut std::collections::HashMap<usize, Option<crate::cuda::CopyKernel>>, ctx: crate::cuda::Context,
+                       engine: &str, ok: &str, without: &str) -> Option<&'k crate::cuda::CopyKernel> {
+    kernels.entry(ctx.id()).or_insert_with(|| match crate::cuda::CopyKernel::load(&ctx) {
+        Ok(k) => {
+            log::info!("{engine}: {ok} ({} ranges per launch)", k.ranges_per_launch());
+            Some(k)
+        }
+        Err(e) => {
+            log::info!("{engine}: the gather-copy kernel cannot run here ({e}); {without}");
+            None
+        }
+    }).as_ref()
+}

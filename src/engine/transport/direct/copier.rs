@@ -69,16 +69,8 @@ impl Copier {
     /// The gather kernel of `ctx`, loaded on first use (None: it cannot run there; not tried
     /// again).
     fn kernel(&mut self, core: &Core, ctx: cuda::Context) -> Option<&cuda::CopyKernel> {
-        self.kernels.entry(ctx.id()).or_insert_with(|| match cuda::CopyKernel::load(&ctx) {
-            Ok(k) => {
-                log::info!("{}: direct GPU copies of many device ranges: one gather-kernel launch per {} ranges", core.name, k.ranges_per_launch());
-                Some(k)
-            }
-            Err(e) => {
-                log::info!("{}: the gather-copy kernel cannot run here ({e}); device ranges go to the copy engines", core.name);
-                None
-            }
-        }).as_ref()
+        super::super::copy_kernel(&mut self.kernels, ctx, &core.name, "direct GPU copies of many device ranges: one gather-kernel launch",
+                                  "device ranges go to the copy engines")
     }
 
     /// Queues copies on `ctx`'s streams (the context is current): `dev` (device memory at

@@ -91,16 +91,8 @@ impl Stager {
         if !core.cfg.gpu_copy_kernel {
             return None;
         }
-        self.kernels.entry(ctx.id()).or_insert_with(|| match cuda::CopyKernel::load(&ctx) {
-            Ok(k) => {
-                log::info!("{}: staging packs up to {} GPU blocks per gather/scatter launch", core.name, k.ranges_per_launch());
-                Some(k)
-            }
-            Err(e) => {
-                log::info!("{}: the gather-copy kernel cannot run here ({e}); staged blocks are copied one by one", core.name);
-                None
-            }
-        }).as_ref()
+        super::super::copy_kernel(&mut self.kernels, ctx, &core.name, "staging packs GPU blocks with one gather/scatter launch per chunk",
+                                  "staged blocks are copied one by one")
     }
 
     /// Queues the device copies of one chunk between device `ranges` (address, length) and
