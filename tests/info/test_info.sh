@@ -157,7 +157,7 @@ fi
 # ---- --config-table -------------------------------------------------------------------------
 run table --config-table
 hdr='| key | environment variable | default | meaning |'
-row='^\| `([a-z_]+)` \| `(NIXL_FABRIC_[A-Z_]+)` \| `([^`]*)` \| (.+) \|$'
+row='^\| `([a-z0-9_]+)` \| `(NIXL_FABRIC_[A-Z0-9_]+)` \| `([^`]*)` \| (.+) \|$'
 if [ "$rc" = 0 ] && [ "$(sed -n 1p "$TMP/table.out")" = "$hdr" ] && [ "$(sed -n 2p "$TMP/table.out")" = '|---|---|---|---|' ]; then
     ok "--config-table: header and separator, exit 0"
 else
@@ -186,7 +186,7 @@ if [ -z "$rejected" ]; then ok "every key accepted with its default value ($nrow
 if [ -n "${PY:-}" ] && [ -x "$PY" ]; then
     plugdir=${NIXL_PLUGIN_DIR:-$ROOT/build/plugins}
     if [ -f "$plugdir/libplugin_${NF_BACKEND:-LIBFABRIC}.so" ]; then
-        env $(env | sed -n 's/^\(NIXL_FABRIC_[A-Z_]*\)=.*/-u \1/p') NIXL_PLUGIN_DIR=$plugdir timeout -k 5 "$T" "$PY" - "${NF_BACKEND:-LIBFABRIC}" >"$TMP/plug.txt" 2>"$TMP/plug.err" <<'EOF'
+        env $(env | sed -n 's/^\(NIXL_FABRIC_[A-Z0-9_]*\)=.*/-u \1/p') NIXL_PLUGIN_DIR=$plugdir timeout -k 5 "$T" "$PY" - "${NF_BACKEND:-LIBFABRIC}" >"$TMP/plug.txt" 2>"$TMP/plug.err" <<'EOF'
 import sys
 from nixl_cu12._api import nixl_agent, nixl_agent_config
 a = nixl_agent("info-test", nixl_agent_config(backends=[]))
