@@ -19,6 +19,8 @@ counters!(Counters => CounterSnapshot {
     requests_posted, requests_completed, requests_failed, notifs_sent, notifs_received,
     // Notifications sent right behind their data (FI_ORDER_SAW; not in the C struct).
     notifs_ordered,
+    // Passes that read no rail (Driver::pass_local; not in the C struct).
+    local_passes,
     progress_passes, cuda_ctx_applies,
     gpu_direct_bytes, gpu_ipc_opens, gpu_ipc_closes, gpu_batch_calls, gpu_copy_calls,
     gpu_kernel_launches, cma_bytes, stage_requests, stage_served,

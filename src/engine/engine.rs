@@ -518,6 +518,7 @@ impl Engine {
                 return Err(Error::Disconnected(format!("agent '{}' was disconnected", p.name)));
             }
         }
+        let local = !req.on_rails && notif.is_none();
         {
             let mut st = req.state();
             // (Copies of an earlier post that failed or timed out may still be writing the
@@ -537,29 +538,37 @@ impl Engine {
             st.phase = Phase::Data;
             st.last_progress = Instant::now();
             req.set_status(Status::NF_IN_PROG);
+            req.set_local_post(local);
         }
         counters::add(&self.core.counters.requests_posted, 1);
         self.submit(Submit::Post(req.clone()));
         if !self.threaded {
-            self.lock_driver().pass();
-        } else if req.segs.len() <= INLINE_POST_SEGS && req.segs.iter().map(|s| s.len).sum::<u64>() <= INLINE_POST_BYTES {
+            let mut d = self.lock_driver();
+            if local { d.pass_local() } else { d.pass() };
+        } else if req.segs.len() <= INLINE_POST_SEGS && req.bytes <= INLINE_POST_BYTES {
             // A small request starts on the caller's thread when the rails are free (as in
             // check()): its latency then does not wait for the progress thread's turn. Large
             // ones are left to the thread, so that posting stays cheap for the caller.
-            self.caller_pass();
+            self.caller_pass(local);
         }
         Ok(req.status())
     }
 
     /// One progress pass on the caller's thread, if allowed (config caller_progress; no
-    /// CUDA contexts registered) and no other thread holds the rails. Returns whether it ran.
-    fn caller_pass(&self) -> bool {
+    /// CUDA contexts registered) and no other thread holds the rails; `local`: a pass for
+    /// local copies only (Driver::pass_local). Returns whether it ran.
+    fn caller_pass(&self, local: bool) -> bool {
         // A pass makes the captured CUDA context current on the thread that runs it, and
         // the caller's thread is not ours to change.
         if !self.core.cfg.caller_progress || self.core.gpu.has_contexts() {
             return false;
         }
         let Ok(mut d) = self.driver.try_lock() else { return false };
+        if local {
+            // Not a caller carrying the engine: the progress thread keeps reading the rails.
+            d.pass_local();
+            return true;
+        }
         d.pass();
         drop(d);
         self.core.note_caller_pass();
@@ -571,8 +580,10 @@ impl Engine {
         if s != Status::NF_IN_PROG || self.shut.load(Ordering::Acquire) {
             return s;
         }
+        let local = req.local_post();
         if !self.threaded {
-            self.lock_driver().pass();
+            let mut d = self.lock_driver();
+            if local { d.pass_local() } else { d.pass() };
             return req.status();
         }
         // A caller polling for its request would otherwise wait for the progress thread to
@@ -580,7 +591,7 @@ impl Engine {
         // (4 ms) per completion. So the poller makes the pass itself when the rails are
         // free (measured, 4-64 KiB WRITE between two processes: shm 7-8 -> 2.5-3.5 us, tcp
         // 35-43 -> 21-29 us).
-        if self.caller_pass() {
+        if self.caller_pass(local) {
             return req.status();
         }
         s
@@ -643,7 +654,7 @@ impl Engine {
             // notification is seen) receives it on its own thread, as a poller of its own
             // request does in check(): else the notification waits for the progress
             // thread's turn on the cores.
-            self.caller_pass();
+            self.caller_pass(false);
         }
         self.core.take_notifs()
     }

@@ -114,6 +114,10 @@ impl PidFd {
     }
 }
 
+/// How recently a peer seen alive needs no new pidfd poll before a copy starts (pid reuse
+/// needs the pid space to wrap, far longer than this); the check after a copy always polls.
+pub const RECENTLY_ALIVE: Duration = Duration::from_micros(200);
+
 /// How an engine reaches a peer's memory without the network, if it can.
 pub enum Locality {
     /// Another host, or nothing known: only the rails.

@@ -7,7 +7,7 @@ use super::registry::LocalMem;
 use super::remote::RemoteMem;
 use super::counters::{add, Counters};
 use crate::error::{Error, Status};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -148,6 +148,9 @@ pub struct Request {
     /// Some segment moves over a rail (RMA or staging): the peer's progress matters, so a
     /// post reminds it (driver's kick). Same-host copies need nothing of the peer.
     pub on_rails: bool,
+    /// The last post moves by local copies only (not on_rails, no notification): the
+    /// caller's passes for it need read no rail (Driver::pass_local).
+    local_post: AtomicBool,
     status: AtomicI32,
     st: Mutex<ReqState>,
     _local: Vec<Arc<LocalMem>>,
@@ -278,6 +281,7 @@ impl Request {
             segs,
             bytes,
             on_rails,
+            local_post: AtomicBool::new(false),
             status: AtomicI32::new(Status::NF_SUCCESS.code()),
             st: Mutex::new(ReqState {
                 epoch: 0,
@@ -296,6 +300,14 @@ impl Request {
             _remote: remote,
             keeps,
         }
+    }
+
+    pub fn local_post(&self) -> bool {
+        self.local_post.load(Ordering::Relaxed)
+    }
+
+    pub fn set_local_post(&self, local: bool) {
+        self.local_post.store(local, Ordering::Relaxed)
     }
 
     pub fn status(&self) -> Status {

@@ -25,7 +25,13 @@
 #   RUN_GPU_ONLY=descs bash .gpu/run-gpu.sh   descriptor-heavy DRAM requests (descs.py, ~5-7 min):
 #                                             make_prepped_xfer ns/descriptor, first vs steady
 #                                             post, ours vs UCX. DESCS_BUDGET=420 DESCS_ARGS=...
-#   vllm and descs run only when named in RUN_GPU_ONLY (benchmarks, not part of a full run).
+#   RUN_GPU_ONLY=staging bash .gpu/run-gpu.sh packed staging between two processes with the
+#                                             same-host paths off (tcp, automatic rails), one run
+#                                             of agent_ipc.py per staging configuration, DRAM->DRAM
+#                                             over the same rails in each: VRAM/DRAM and GB/s.
+#   STAGING_SWEEP="0:4 4M:4 4M:8"             chunk:depth pairs (0 = automatic chunk)
+#   STAGING_ONLY="VRAM->VRAM 1x64MiB,..."     the cases (agent_ipc.py --only)
+#   vllm, descs and staging run only when named in RUN_GPU_ONLY (benchmarks, not part of a full run).
 # Results of the ipc, vmm and dram sections (JSON, PNG, logs) go to $OUT when it is set, else
 # to the bundle (dram: $OUT/dram, vllm: $OUT/vllm, descs: $OUT/descs).
 set -u
@@ -226,6 +232,34 @@ if named descs && [ -f "$B/descs.py" ]; then
     ${DESCS_ARGS:-} > "$R/descs.log" 2>&1 || rc=1
   grep -v "NIXL INFO" "$R/descs.log" | tail -80
   ls "$R"
+fi
+if named staging; then
+  section "packed staging over tcp rails, same-host paths off (agent_ipc.py per chunk:depth): VRAM vs DRAM"
+  nixl_runtime
+  R=${OUT:-$B}/staging; mkdir -p "$R"
+  ONLY=${STAGING_ONLY:-"VRAM->VRAM 1x64MiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->DRAM 1x64MiB"}
+  for cd in ${STAGING_SWEEP:-0:4 4M:4 4M:8 2M:16}; do
+    c=${cd%%:*}; d=${cd##*:}
+    tag=c${c}-d${d}
+    NIXL_FABRIC_LOG=info NIXL_FABRIC_STAGING_CHUNK_SIZE=$c NIXL_FABRIC_STAGING_DEPTH=$d NIXL_PLUGIN_DIR=$B/plugins AGENT_IPC_TOTAL_S=100 \
+      timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --only "$ONLY" --json "$R/staging_$tag.json" \
+      > "$B/staging_$tag.log" 2>&1 || rc=1
+    python3 - "$R/staging_$tag.json" "$tag" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"{sys.argv[2]}: no result ({e})"); sys.exit(0)
+res = {r["name"]: r for r in d["results"]}
+dram = {op: (res.get(f"{op} DRAM->DRAM 1x64MiB") or {}).get("gbps") for op in ("WRITE", "READ")}
+for n, r in res.items():
+    op = n.split()[0]
+    g, base = r.get("gbps"), dram.get(op)
+    ratio = f"{g / base:.2f}x DRAM" if g and base and "VRAM" in n else ""
+    print(f"{sys.argv[2]:<10} {n:<34} {g or 0:8.2f} GB/s {ratio:>12} {'exact' if r['verified'] else 'BAD'}")
+PY
+    grep -m1 "staging pool" "$B/staging_$tag.log" | sed 's/^.*\] //'
+  done
 fi
 if want lf2 && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
   section "zero-copy path: CUDA-enabled libfabric 2.x"

@@ -53,6 +53,8 @@ struct State {
     /// Polls that return nothing before completions are handed out (late completions).
     hold: usize,
     held_polls: usize,
+    /// Reads of the completion queue so far.
+    polls: usize,
     recvs: VecDeque<(*mut u8, usize, *mut c_void)>,
     sends: Vec<Vec<u8>>,
     /// Every accepted post in order: W write, R read, N notification send, C other send.
@@ -194,6 +196,11 @@ impl FakePort {
         self.st().accepted.clone()
     }
 
+    /// How often the completion queue was read.
+    pub fn polls(&self) -> usize {
+        self.st().polls
+    }
+
     pub fn sends(&self) -> Vec<Vec<u8>> {
         self.st().sends.clone()
     }
@@ -309,6 +316,7 @@ impl Port for FakePort {
     }
     fn poll(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
         let mut s = self.st();
+        s.polls += 1;
         if s.ready.is_empty() {
             return Ok(0);
         }

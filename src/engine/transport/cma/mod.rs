@@ -22,15 +22,12 @@ pub use copy::{POOL_MIN_BYTES, THIS_PROCESS};
 
 use super::{Cx, Piece, Post, Outcome, Start, Transport};
 use crate::engine::counters::add;
+use crate::engine::local_peers::RECENTLY_ALIVE;
 use crate::engine::request::{Op, Request, Route, SegKind};
 use crate::error::{Error, Result};
 use copy::{copy, cut, Batch, Pool, Range, AUTO_MAX_THREADS};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// How recently a peer seen alive needs no new pidfd poll before a copy (pid reuse needs
-/// the pid space to wrap, far longer than this).
-const RECENTLY_ALIVE: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Copy threads for this engine: the count `cma_threads` asks for (0: half the cores this
 /// process may run on, at most AUTO_MAX_THREADS, at least one).
