@@ -17,7 +17,8 @@ on), ours-tcp-before (the same with the plugin in --before-dir), ours-tcp-flush 
 read, as before FI_ORDER_SAW was used), ours-tcp-r4 (four rails), ucx-tcp (UCX_TLS=tcp,self),
 ucx-tcp-noprog (the agent's progress thread off, so UCX progresses in every poll), ucx (as
 shipped), stock-libfabric (the wheel's LIBFABRIC; needs libfabric main, libcudart and
-a non-loopback interface, see /work/shared/tools/README.md). Medians in microseconds; every
+a non-loopback interface, see /work/shared/tools/README.md; NOTIF_IFACE=<veth> puts ours on the
+same interface). Medians in microseconds; every
 point byte-checked (the destination's CRC at the end of the point).
 """
 from __future__ import annotations
@@ -37,7 +38,9 @@ SPAN = 1 << 20
 
 
 def ours(rails=1, **extra):
-    env = {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "tcp", "NIXL_FABRIC_IFACE": "lo",
+    # NOTIF_IFACE: another local interface (the veth of a namespace the stock plugin needs)
+    env = {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "tcp",
+           "NIXL_FABRIC_IFACE": os.environ.get("NOTIF_IFACE", "lo"),
            "NIXL_FABRIC_SAME_HOST_SHM": "false", "NIXL_FABRIC_RAILS": str(rails),
            "NIXL_FABRIC_PROGRESS_THREAD": "true", "NIXL_FABRIC_LOG": "info"}
     env.update(extra)
