@@ -26,13 +26,14 @@ def free_port() -> int:
 class Remote:
     """A peer process plus an agent of this process that has loaded the peer's metadata."""
 
-    def __init__(self, ctx, prog=True, params=None, listen=False):
+    def __init__(self, ctx, prog=True, params=None, listen=False, peer_params=None):
         self.ctx = ctx
         self.lport = free_port() if listen else 0
         self.pport = free_port() if listen else 0
         self.ini = ctx.agent("tp-ini", prog=prog, listen=listen, port=self.lport or None,
                              params=params)
-        self.peer = U.Peer(ctx.name("tp-peer"), prog=prog, listen_port=self.pport, params=params)
+        self.peer = U.Peer(ctx.name("tp-peer"), prog=prog, listen_port=self.pport,
+                           params=params if peer_params is None else peer_params)
         self.nbuf = 0
         if not listen:
             self.load(self.peer.call("md")["md"])
@@ -136,6 +137,19 @@ def test_two_process_prepped(shared_remote, op):
     xfer_and_check(shared_remote, op, 64, 8 * KiB, path="prepped", seed=1)
     xfer_and_check(shared_remote, op, 16, 64 * KiB, path="prepped", seed=2)
     shared_remote.free_all()
+
+
+@pytest.mark.parametrize("ours,theirs", [(1, 3), (3, 1)], ids=["1-vs-3-rails", "3-vs-1-rails"])
+def test_two_process_unequal_rail_counts(remote, ours, theirs):
+    """Network rails only (same-host paths off), a different rail count on each side: one
+    rail of the side with fewer reaches several of the other's (each its own tcp
+    connection), and WRITEs still end only once every byte landed, notification last."""
+    net = {"provider": "tcp", "iface": "lo", "same_host_shm": "false"}
+    r = remote(params={**net, "rails": str(ours)}, peer_params={**net, "rails": str(theirs)})
+    for i, (op, n, size) in enumerate([("WRITE", 64, 16 * KiB + 1), ("READ", 64, 16 * KiB + 1),
+                                       ("WRITE", 3, 2 * MiB)]):
+        xfer_and_check(r, op, n, size, seed=30 + i)
+        r.free_all()
 
 
 def test_two_process_progress_thread_off(remote):

@@ -429,6 +429,18 @@ impl Bench {
         peer
     }
 
+    /// A peer with `remote` rails of its own against our rails, paired as the engine pairs
+    /// them (max(ours, theirs) pairs, each side cycling over its rails).
+    pub fn peer_over(&mut self, id: u64, locality: Locality, remote: usize) -> Arc<Peer> {
+        let n = self.rails.len();
+        let info = ConnInfo { engine_id: 1000 + id, host_id: [9; 16], agent: format!("peer{id}"), rails: (0..remote).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None, rail0_saw: false };
+        let route = (0..n.max(remote)).map(|j| RoutePair { rail: (j % n) as u16, rrail: (j % remote) as u16, virt: None }).collect();
+        let peer = Arc::new(Peer::new(id, &format!("peer{id}"), info, Vec::new(), route, false, false, locality));
+        let addrs = (0..n).map(|l| (0..remote).map(|r| Some((10 * l + r) as FiAddr + 1)).collect()).collect();
+        self.conns.peers.insert(id, Conn { peer: peer.clone(), addrs, sync_rails: 0, last_completion: Instant::now(), last_kick: None });
+        peer
+    }
+
     /// Reads every rail's completions (as the driver would) and hands them to `t`.
     pub fn complete(&mut self, t: &mut dyn Transport) -> usize {
         let mut n = 0;

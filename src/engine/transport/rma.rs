@@ -81,8 +81,8 @@ pub struct Rma {
     flush_mrs: Vec<Mr>,
     /// Landing place of flush reads, registered on every rail.
     flush_buf: Box<[u8; 64]>,
-    /// Flush reads to post: (request, post number, rail).
-    flushes: VecDeque<(Arc<Request>, u64, usize)>,
+    /// Flush reads to post: (request, post number, our rail, the peer's rail).
+    flushes: VecDeque<(Arc<Request>, u64, usize, u16)>,
 }
 
 impl Rma {
@@ -107,11 +107,41 @@ impl Rma {
         OpKind::Transport(TOp { owner: self.owner, tag: 0, rail: rail as u16, slot: true, inline, req: Some(req.clone()), epoch, token: 0, len })
     }
 
+    /// Queues the flush reads of the writes `req` made on our `rail`: one per peer rail they
+    /// went to. Where we have fewer rails than the peer, one rail of ours reaches several of
+    /// its rails, each its own connection (tcp), and a read on one shows nothing about the
+    /// writes on another. Returns how many were queued.
+    fn queue_flushes(&mut self, req: &Arc<Request>, epoch: u64, rail: usize) -> usize {
+        let hops = req.peer().map_or(0, |p| p.route.iter().filter(|h| h.rail as usize == rail).count());
+        let mut rrails: Vec<u16> = Vec::new();
+        if hops <= 1 {
+            // One peer rail behind ours (the usual case): its first write names it.
+            rrails.extend(req.segs.iter().find(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)).map(|s| s.rrail));
+        } else {
+            for s in req.segs.iter().filter(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)) {
+                if !rrails.contains(&s.rrail) {
+                    rrails.push(s.rrail);
+                    if rrails.len() == hops {
+                        break;
+                    }
+                }
+            }
+        }
+        if rrails.is_empty() {
+            // Nothing to read behind: post_flushes fails the piece with its message.
+            rrails.push(u16::MAX);
+        }
+        for &r in &rrails {
+            self.flushes.push_back((req.clone(), epoch, rail, r));
+        }
+        rrails.len()
+    }
+
     /// Posts the queued flush reads the provider takes now; a flush that cannot be posted
     /// fails its post. Returns whether any is still queued.
     fn post_flushes(&mut self, cx: &mut Cx) -> bool {
         let mut budget = self.flushes.len();
-        while let Some((req, epoch, rail)) = self.flushes.front().cloned() {
+        while let Some((req, epoch, rail, rrail)) = self.flushes.front().cloned() {
             if budget == 0 {
                 break;
             }
@@ -123,7 +153,7 @@ impl Rma {
                     continue;
                 }
             }
-            let target = req.segs.iter().find(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)).copied();
+            let target = req.segs.iter().find(|s| s.rail as usize == rail && s.rrail == rrail && matches!(s.kind, SegKind::Rma)).copied();
             let res = match target {
                 Some(s) => cx.conns.addr(req.peer_id(), rail, s.rrail as usize).and_then(|dest| {
                     let ctx = cx.ops.alloc(self.op(rail, &req, epoch, 0, false));
@@ -298,9 +328,8 @@ impl Transport for Rma {
         let mut n = 0;
         for (rail, port) in cx.rails.iter().enumerate().take(self.flush_writes.len()) {
             if marks.unflushed & (1 << rail) != 0 && !port.posts_on_thread() {
-                self.flushes.push_back((req.clone(), epoch, rail));
+                n += self.queue_flushes(req, epoch, rail);
                 marks.unflushed &= !(1 << rail);
-                n += 1;
             }
         }
         n
@@ -313,8 +342,7 @@ impl Transport for Rma {
         let mut n = 0;
         for rail in 0..self.flush_writes.len() {
             if marks.unflushed & (1 << rail) != 0 {
-                self.flushes.push_back((req.clone(), epoch, rail));
-                n += 1;
+                n += self.queue_flushes(req, epoch, rail);
             }
         }
         marks.unflushed = 0;
@@ -489,6 +517,43 @@ mod tests {
             assert!(matches!(last, Accepted { write: false, .. }), "the flush is a read, also after FI_EAGAIN");
             assert_eq!(last.segs[0].1, 1);
         }
+        assert!(t.idle());
+    }
+
+    #[test]
+    fn a_rail_that_reaches_several_peer_rails_reads_behind_the_writes_on_each() {
+        // One rail of ours, three of the peer's: three connections from our one endpoint.
+        let mut b = Bench::new(1, true);
+        let peer = b.peer_over(1, Locality::Remote, 3);
+        let src = pattern(24 * 1024);
+        let mut dst = vec![0u8; src.len()];
+        let mut ss = segs(&src, &mut dst, 6, 4096, 1);
+        for (i, s) in ss.iter_mut().enumerate() {
+            s.rrail = (i / 2) as u16;
+        }
+        let req = request(Op::Write, &peer, ss);
+        let mut t = Rma::new(0, &b.rails, 4).unwrap();
+        let mut run = b.run(&mut t, &req, 50);
+        assert_eq!(run.marks.unflushed, 0b1);
+        let n = t.finishing(&mut b.cx(), &req, 1, &mut run.marks);
+        assert_eq!(n, 3, "one flush read per peer rail the writes went to");
+        {
+            let mut st = req.state();
+            st.epoch = 1;
+            st.phase = Phase::Data;
+        }
+        let mut flushed = Vec::new();
+        for _ in 0..10 {
+            t.advance(&mut b.cx());
+            b.complete(&mut t);
+            flushed.extend(b.pieces());
+        }
+        assert_eq!(flushed.len(), 3);
+        assert!(flushed.iter().all(|p| p.res.is_ok()));
+        let mut reads: Vec<_> = b.fakes[0].accepted().iter().filter(|a| !a.write).map(|a| a.dest).collect();
+        reads.sort_unstable();
+        reads.dedup();
+        assert_eq!(reads.len(), 3, "a read toward every peer rail written: {reads:?}");
         assert!(t.idle());
     }
 }
