@@ -208,17 +208,9 @@ impl Driver {
         if got > 0 {
             self.post_pending();
         }
-        let mut busy = false;
-        for t in self.transports.iter_mut() {
-            busy |= t.advance(&mut cx!(self));
-        }
-        self.apply_outcomes();
-        self.flush_ctrl();
+        let busy = self.advance_transports();
         self.sweep();
-        // Let go of requests that finished in this pass now, not at the next sweep: what a
-        // request keeps alive (registrations, their page-locking) must be gone by the time
-        // its owner has released it (Engine::release waits for that) and frees the memory.
-        self.active.retain(|r| matches!(r.state().phase, Phase::Data | Phase::Notif));
+        self.let_go_of_finished();
         let posted = self.core.counters.ops_posted.load(std::sync::atomic::Ordering::Relaxed) != posted0;
         Pass { did: took || got > 0 || posted, pending: busy || self.has_pending() }
     }
@@ -239,14 +231,28 @@ impl Driver {
         self.ctxs.apply(&self.core);
         let took = self.drain_inbox();
         self.post_pending();
+        let busy = self.advance_transports();
+        self.let_go_of_finished();
+        Pass { did: took, pending: busy || self.has_pending() }
+    }
+
+    /// Lets every transport move its work on, then applies what ended and sends the control
+    /// messages that queued. Returns whether a transport has work in flight.
+    fn advance_transports(&mut self) -> bool {
         let mut busy = false;
         for t in self.transports.iter_mut() {
             busy |= t.advance(&mut cx!(self));
         }
         self.apply_outcomes();
         self.flush_ctrl();
+        busy
+    }
+
+    /// Lets go of requests that finished in this pass now, not at the next sweep: what a
+    /// request keeps alive (registrations, their page-locking) must be gone by the time its
+    /// owner has released it (Engine::release waits for that) and frees the memory.
+    fn let_go_of_finished(&mut self) {
         self.active.retain(|r| matches!(r.state().phase, Phase::Data | Phase::Notif));
-        Pass { did: took, pending: busy || self.has_pending() }
     }
 
     fn drain_inbox(&mut self) -> bool {

@@ -484,6 +484,23 @@ mod tests {
         assert!(matches!(run.failed, Some(Error::Disconnected(_))), "{:?}", run.failed);
     }
 
+    /// Posts the queued flush reads of post 1 of `req` and completes them: the pieces that ended.
+    fn run_flushes(b: &mut Bench, t: &mut Rma, req: &Arc<Request>) -> Vec<crate::engine::transport::Piece> {
+        // The state of the post must say Data for the flushes to go out.
+        {
+            let mut st = req.state();
+            st.epoch = 1;
+            st.phase = Phase::Data;
+        }
+        let mut flushed = Vec::new();
+        for _ in 0..10 {
+            t.advance(&mut b.cx());
+            b.complete(t);
+            flushed.extend(b.pieces());
+        }
+        flushed
+    }
+
     #[test]
     fn writes_on_ordered_rails_end_with_one_flush_read_each_retried_as_a_read_until_posted() {
         let mut b = Bench::new(2, true);
@@ -496,20 +513,9 @@ mod tests {
         assert_eq!(run.marks.unflushed, 0b11, "both rails wrote transmit-complete");
         let n = t.finishing(&mut b.cx(), &req, 1, &mut run.marks);
         assert_eq!((n, run.marks.unflushed), (2, 0));
-        // The state of the post must say Data for the flushes to go out.
-        {
-            let mut st = req.state();
-            st.epoch = 1;
-            st.phase = Phase::Data;
-        }
         // Refused, then rejected, then refused: still one read, and the post's last piece.
         b.fakes[1].script(&[Answer::Again, Answer::Fail, Answer::Again]);
-        let mut flushed = Vec::new();
-        for _ in 0..10 {
-            t.advance(&mut b.cx());
-            b.complete(&mut t);
-            flushed.extend(b.pieces());
-        }
+        let flushed = run_flushes(&mut b, &mut t, &req);
         assert_eq!(flushed.len(), 2);
         assert!(flushed.iter().all(|p| p.res.is_ok() && p.bytes == 0));
         for f in &b.fakes {
@@ -537,17 +543,7 @@ mod tests {
         assert_eq!(run.marks.unflushed, 0b1);
         let n = t.finishing(&mut b.cx(), &req, 1, &mut run.marks);
         assert_eq!(n, 3, "one flush read per peer rail the writes went to");
-        {
-            let mut st = req.state();
-            st.epoch = 1;
-            st.phase = Phase::Data;
-        }
-        let mut flushed = Vec::new();
-        for _ in 0..10 {
-            t.advance(&mut b.cx());
-            b.complete(&mut t);
-            flushed.extend(b.pieces());
-        }
+        let flushed = run_flushes(&mut b, &mut t, &req);
         assert_eq!(flushed.len(), 3);
         assert!(flushed.iter().all(|p| p.res.is_ok()));
         let mut reads: Vec<_> = b.fakes[0].accepted().iter().filter(|a| !a.write).map(|a| a.dest).collect();
