@@ -451,7 +451,8 @@ impl Transport for Staging {
     /// A peer that is gone answers no stage request: chunks waiting for its answer end with
     /// the disconnect, and their slots come back; chunks with RMA still out end when the
     /// provider hands those back (the driver takes back what a rail thread still holds).
-    fn drop_peer(&mut self, cx: &mut Cx, peer_id: u64, _engine_id: u64) {
+    fn drop_peer(&mut self, cx: &mut Cx, peer_id: u64, engine_id: u64) {
+        self.serves.drop_sender(cx, &mut self.pool, engine_id);
         for token in self.jobs.tokens() {
             let Some(j) = self.jobs.get_mut(token) else { continue };
             if j.peer_id != peer_id {
@@ -573,6 +574,53 @@ mod tests {
         buf.read(CHUNK, &mut landed).unwrap();
         assert!(landed == theirs, "the peer's bytes are in our device memory");
         assert!(t.idle());
+    }
+
+    #[test]
+    fn serves_of_a_disconnected_requester_end_unanswered_with_their_slots_back() {
+        in_mock_cuda("serves-gone", "engine::transport::staging::tests::serves_gone_child");
+    }
+
+    /// A requester goes while we serve its chunks: the ones waiting for a slot are dropped,
+    /// the ones whose reads the provider keeps refusing end at once, none is answered, and
+    /// every slot is free again; another requester's serve is untouched.
+    #[test]
+    #[ignore = "run by serves_of_a_disconnected_requester_end_unanswered_with_their_slots_back"]
+    fn serves_gone_child() {
+        if !mock_child() {
+            return;
+        }
+        let mut b = bench();
+        let (buf, _m, _dev, _p) = device(&b, 8 * CHUNK);
+        let theirs = pattern(CHUNK, 5);
+        for id in [77, 78] {
+            b.conns.initiators.insert(id, Initiator { name: format!("init{id}"), info: None, addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
+        }
+        let mut t = Staging::new(1);
+        b.fakes[0].refuse_all(true);
+        let stage = |token: u64, slot: u64| Stage { token, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 9, ranges: vec![(buf.addr() + slot * CHUNK as u64, theirs.as_ptr() as u64, CHUNK as u64)] };
+        // More requests from 77 than the pool has slots; one from 78.
+        for k in 0..10u64 {
+            let (who, name) = if k == 0 { (78, "init78") } else { (77, "init77") };
+            let bytes = encode_ctrl(CtrlType::Stage, who, name, &stage(100 + k, k % 8).encode());
+            assert!(t.on_control(&mut b.cx(), &wire::decode_ctrl(&bytes).unwrap()));
+        }
+        t.advance(&mut b.cx());
+        let total = 8;
+        let free = t.pool.as_ref().expect("a pool").free_slots();
+        assert!(free < total, "serves hold slots");
+        assert!(!t.serves.waiting.is_empty(), "some requests wait for a slot");
+        b.out.clear();
+        t.drop_peer(&mut b.cx(), 2, 77);
+        assert!(t.serves.waiting.is_empty(), "the gone requester's waiting requests are dropped");
+        assert!(acks(&b).is_empty(), "nobody answers a gone requester");
+        assert_eq!(t.pool.as_ref().expect("a pool").free_slots(), total - 1, "only 78's serve holds a slot");
+        // 78's serve goes on once the provider takes its read.
+        b.fakes[0].refuse_all(false);
+        spin(&mut b, &mut t, 200, |b| !acks(b).is_empty());
+        assert_eq!(acks(&b), vec![StageAck { token: 100, status: 0 }]);
+        assert!(t.idle());
+        assert_eq!(t.pool.as_ref().expect("a pool").free_slots(), total);
     }
 
     #[test]

@@ -44,6 +44,8 @@ struct Serve {
     next_op: usize,
     left: usize,
     failed: Option<Error>,
+    /// The requester was disconnected: nothing more is posted for it and nobody is answered.
+    gone: bool,
     _mems: Vec<Arc<LocalMem>>,
 }
 
@@ -57,7 +59,7 @@ impl Serve {
 pub struct Serves {
     items: Slab<Serve>,
     /// Stage requests waiting for a free slot: (sender engine id, request).
-    waiting: VecDeque<(u64, Stage)>,
+    pub(super) waiting: VecDeque<(u64, Stage)>,
 }
 
 /// The registrations holding every device range of a request, and their one context; Err
@@ -144,7 +146,7 @@ impl Serves {
             add(&cx.core.counters.stage_served, 1);
             let batch = cx.rails[rail].caps().rma_batch.min(cx.core.cfg.rma_batch.max(1) as usize);
             let rma = rma_ops(st.ranges.iter().map(|r| (r.1, r.2 as usize)), batch);
-            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, _mems: mems };
+            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems };
             let phase = match s.stage.dir {
                 StageDir::Pull => Ok(Phase::Rma),
                 StageDir::Push => p.copy(cx.core, ctx, slot, &s.dev_ranges(), true).map(Phase::CopyOut),
@@ -255,7 +257,9 @@ impl Serves {
             if !ready {
                 continue;
             }
-            if copy_in {
+            if let Some(e) = s.failed.take() {
+                self.end(cx, pool, id, Err(e));
+            } else if copy_in {
                 self.end(cx, pool, id, Ok(()));
             } else {
                 s.phase = Phase::Rma;
@@ -266,10 +270,35 @@ impl Serves {
         work
     }
 
+    /// The requester `engine_id` was disconnected: its requests still waiting for a slot are
+    /// dropped, and its serves post nothing more. Each ends (its slot back, no answer) at
+    /// once where the provider holds none of its operations, else when the last completes
+    /// or its running device copy finishes.
+    pub fn drop_sender(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, engine_id: u64) {
+        self.waiting.retain(|(sender, _)| *sender != engine_id);
+        for id in self.items.tokens() {
+            let Some(s) = self.items.get_mut(id) else { continue };
+            if s.sender != engine_id {
+                continue;
+            }
+            s.gone = true;
+            s.next_op = s.rma.len();
+            s.failed.get_or_insert_with(|| Error::Disconnected("the requesting peer was disconnected".into()));
+            if matches!(s.phase, Phase::Rma) && s.left == 0 {
+                let e = s.failed.take().unwrap_or(Error::Canceled);
+                self.end(cx, pool, id, Err(e));
+            }
+        }
+    }
+
     fn end(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, id: u64, res: Result<()>) {
         let Some(s) = self.items.remove(id) else { return };
         if let Some(p) = pool.as_mut() {
             p.give(s.slot, false);
+        }
+        if s.gone {
+            log::info!("{}: dropped a staged chunk of a disconnected peer (its slot is free again)", cx.core.name);
+            return;
         }
         let status = match res {
             Ok(()) => Status::NF_SUCCESS,
