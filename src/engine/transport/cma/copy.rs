@@ -226,10 +226,10 @@ impl Pool {
     fn push(&self, jobs: Vec<Job>) {
         let n = jobs.len();
         self.shared.q.lock().unwrap_or_else(|p| p.into_inner()).jobs.extend(jobs);
-        if n == 1 {
+        // One wake per piece: waking every thread for fewer pieces only has the rest
+        // contend for the queue's lock and go back to sleep.
+        for _ in 0..n.min(self.threads.len().max(1)) {
             self.shared.cv.notify_one();
-        } else {
-            self.shared.cv.notify_all();
         }
     }
 }
