@@ -33,9 +33,10 @@ fn corpus_dir() -> PathBuf {
 fn conn_info(b: &[u8]) -> Result<(), String> {
     let c = ConnInfo::decode(b).map_err(|e| e.to_string())?;
     let mut want = b.to_vec();
-    // flags: bit 0 (a process block follows) and bit 1 (rail 0 orders a send after writes)
-    // are kept, unknown bits are ignored (encoded as 0)
-    want[6..8].copy_from_slice(&[b[6] & 3, 0]);
+    // flags: bit 0 (a process block follows), bit 1 (rail 0 orders a send after writes) and
+    // bit 2 (packed staging) are kept, unknown bits are ignored (encoded as 0)
+    let known = nixl_fabric::engine::wire::CONN_FLAGS_KNOWN.to_le_bytes();
+    want[6..8].copy_from_slice(&[b[6] & known[0], b[7] & known[1]]);
     assert_eq!(c.encode(), want, "connection info re-encodes differently");
     Ok(())
 }
@@ -159,7 +160,7 @@ fn rail(p: &str, addr: Vec<u8>) -> RailAddr {
 }
 
 fn conn(engine_id: u64, agent: &str, rails: Vec<RailAddr>) -> ConnInfo {
-    ConnInfo { engine_id, host_id: *b"0123456789abcdef", agent: agent.into(), rails, process: None, rail0_saw: false }
+    ConnInfo { engine_id, host_id: *b"0123456789abcdef", agent: agent.into(), rails, process: None, rail0_saw: false, packed_staging: false }
 }
 
 fn mem(flags: u8, mem_type: u8, base: u64, len: u64, keys: Vec<u64>) -> MemDesc {

@@ -251,6 +251,13 @@ fn resolve(inp: &Inputs, reach: &dyn Reach, target: &Target, mems: (&Arc<LocalMe
                 return Ok(Way::SameHost { kind, shift });
             }
             let lstaged = lm.dev.filter(|d| d.staged);
+            if (lstaged.is_some() || desc.staged) && !peer.info.packed_staging {
+                // Its stage requests and ours would not parse at the other end: say so now
+                // instead of letting every chunk wait for an answer until the timeout.
+                return Err(Error::Mismatch(format!(
+                    "agent '{peer_name}' runs an older nixl-fabric whose GPU staging format (1) is not ours ({}): descriptor {i} cannot be staged; update both sides",
+                    super::wire::STAGE_FORMAT)));
+            }
             Ok(if lstaged.is_some() || desc.staged { Way::Staged(lstaged) } else { Way::Rma })
         }
         (Target::Local, RemoteMem::Peer { peer, .. }) => {
@@ -453,6 +460,7 @@ mod tests {
             rails: (0..rails).map(|_| RailAddr { provider: "tcp".into(), addr: vec![0] }).collect(),
             process: Some(ProcessInfo { pid: std::process::id(), token_addr: 0, token: [0; 16] }),
             rail0_saw: true,
+            packed_staging: true,
         };
         let route = (0..rails).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
         Arc::new(Peer::new(id, &format!("p{id}"), info, Vec::new(), route, true, cma, local))
@@ -563,10 +571,21 @@ mod tests {
         let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: true };
         let l = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 2, Vec::new(), q, Some(dev), None));
         let pairs = [Pair { local: (0x10_0000, 3 << 20, &l), remote: (0x900_0000, 3 << 20, &r) }];
-        let plan = run(&cfg, 2, &Target::Peer(p), &pairs, &Nothing(None)).unwrap();
+        let plan = run(&cfg, 2, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
         assert_eq!(plan.segs.len(), 3);
         assert!(plan.segs.iter().all(|s| matches!(s.kind, SegKind::DevToHost { .. }) && s.len == 1 << 20));
         assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 1, 0], "chunks round-robin over the rail pairs");
+        // A peer of a build before packed staging reads none of our stage requests: refused
+        // at once with the reason, not left to time out chunk by chunk.
+        let mut info = p.info.clone();
+        info.packed_staging = false;
+        let old = Arc::new(Peer::new(1, "p1", info, Vec::new(), p.route.clone(), false, false, Locality::Remote));
+        let r = remote(&old, 0x900_0000, 8 << 20, 2);
+        let pairs = [Pair { local: (0x10_0000, 3 << 20, &l), remote: (0x900_0000, 3 << 20, &r) }];
+        match run(&cfg, 2, &Target::Peer(old), &pairs, &Nothing(None)) {
+            Err(Error::Mismatch(m)) => assert!(m.contains("older nixl-fabric"), "{m}"),
+            other => panic!("expected a mismatch, got {:?}", other.map(|p| p.segs.len())),
+        }
     }
 
     #[test]

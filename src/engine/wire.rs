@@ -86,6 +86,11 @@ const CONN_FLAG_PROCESS: u16 = 1;
 /// Connection-info flag: the first rail processes a received send only after the writes
 /// that came before it (its provider granted FI_ORDER_SAW on the receive side). No field.
 const CONN_FLAG_RAIL0_SAW: u16 = 2;
+/// Connection-info flag: GPU staging speaks stage requests of STAGE_FORMAT (packed chunks).
+/// Builds before packed staging (format 1) do not set it. No field.
+const CONN_FLAG_PACKED_STAGING: u16 = 4;
+/// The flags a decoder keeps (others are ignored: a newer peer's).
+pub const CONN_FLAGS_KNOWN: u16 = CONN_FLAG_PROCESS | CONN_FLAG_RAIL0_SAW | CONN_FLAG_PACKED_STAGING;
 
 /// Everything a peer needs to reach an engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -98,12 +103,17 @@ pub struct ConnInfo {
     /// Rail 0 orders a send after earlier writes (flags bit 1): a notification may follow
     /// its data there without a flush read first. Peers of older versions do not say so.
     pub rail0_saw: bool,
+    /// Its GPU staging speaks our stage format (flags bit 2); false: an older build whose
+    /// stage requests ours cannot read, nor it ours.
+    pub packed_staging: bool,
 }
 
 impl ConnInfo {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
-        let flags = if self.process.is_some() { CONN_FLAG_PROCESS } else { 0 } | if self.rail0_saw { CONN_FLAG_RAIL0_SAW } else { 0 };
+        let flags = if self.process.is_some() { CONN_FLAG_PROCESS } else { 0 }
+            | if self.rail0_saw { CONN_FLAG_RAIL0_SAW } else { 0 }
+            | if self.packed_staging { CONN_FLAG_PACKED_STAGING } else { 0 };
         w.bytes(CONN_MAGIC).u16(CONN_VERSION).u16(flags).u64(self.engine_id).bytes(&self.host_id);
         w.short(self.agent.as_bytes()).u16(self.rails.len() as u16);
         for r in &self.rails {
@@ -149,7 +159,8 @@ impl ConnInfo {
             None
         };
         r.finish()?;
-        Ok(ConnInfo { engine_id, host_id, agent, rails, process, rail0_saw: flags & CONN_FLAG_RAIL0_SAW != 0 })
+        Ok(ConnInfo { engine_id, host_id, agent, rails, process, rail0_saw: flags & CONN_FLAG_RAIL0_SAW != 0,
+                      packed_staging: flags & CONN_FLAG_PACKED_STAGING != 0 })
     }
 }
 
@@ -593,6 +604,7 @@ mod tests {
             rails: vec![RailAddr { provider: "tcp;ofi_rxm".into(), addr: vec![1, 2, 3] }],
             process: Some(ProcessInfo { pid: 42, token_addr: 0x7f00_0000_1000, token: [9; 16] }),
             rail0_saw: true,
+            packed_staging: true,
         }
     }
 
@@ -608,6 +620,9 @@ mod tests {
         let mut unordered = b.clone();
         unordered[6] &= !0x02; // flags bit 1: rail 0 orders a send after writes
         assert!(!ConnInfo::decode(&unordered).unwrap().rail0_saw, "an older peer's info says nothing of it");
+        let mut unpacked = b.clone();
+        unpacked[6] &= !0x04; // flags bit 2: packed staging
+        assert!(!ConnInfo::decode(&unpacked).unwrap().packed_staging, "a build before packed staging says nothing of it");
         let mut claims = b.clone();
         claims[6] = 0x01; // says a process block follows, but none does
         assert!(ConnInfo::decode(&claims).is_err());
