@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""One small transfer at a time between two processes through the stock agent: transfer()
+until check_xfer_state() says DONE, N times, median and 10th percentile in microseconds.
+A quick latency probe for one size and one progress mode (bench.py measures the full table).
+
+    SZ=4096 N=20000 PROG=0 OP=WRITE BK=LIBFABRIC TAG=ours python3 bench/lat_small.py
+
+Environment: SZ bytes (default 4096), N posts (default 20000; the first tenth is warm-up), PROG
+1 or 0 (the agent's progress thread on or off, and with it the backend's), OP WRITE or READ,
+BK the backend (LIBFABRIC, UCX), TAG a label for the output line. Set NIXL_PLUGIN_DIR for ours
+and pin the interface (FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo). The target is a forked child that
+registers 1 MiB of DRAM and polls its notifications every millisecond until told to stop.
+"""
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+def agent(name, prog):
+    try:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    a = nixl_agent(name, nixl_agent_config(enable_prog_thread=prog, backends=[]))
+    a.create_backend(os.environ.get("BK", "LIBFABRIC"), {})
+    return a
+
+
+def target(q, done, prog):
+    a = agent("lat-target", prog)
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    q.put((a.get_agent_metadata(), buf.ctypes.data))
+    while not done.is_set():
+        a.get_new_notifs()
+        time.sleep(0.001)
+
+
+def main():
+    prog = os.environ.get("PROG", "0") == "1"
+    size = int(os.environ.get("SZ", "4096"))
+    n = int(os.environ.get("N", "20000"))
+    op = os.environ.get("OP", "WRITE")
+    mp.set_start_method("fork", force=True)
+    q, done = mp.Queue(), mp.Event()
+    p = mp.Process(target=target, args=(q, done, prog))
+    p.start()
+    md, raddr = q.get()
+    a = agent("lat-initiator", prog)
+    buf = np.ones(1 << 20, dtype=np.uint8)
+    a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    a.add_remote_agent(md)
+    h = a.initialize_xfer(op, a.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM"),
+                          a.get_xfer_descs([(raddr, size, 0)], "DRAM"), "lat-target")
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        st = a.transfer(h)
+        while st == "PROC":
+            st = a.check_xfer_state(h)
+        lat.append(time.perf_counter() - t0)
+        if st != "DONE":
+            raise RuntimeError(f"transfer ended {st}")
+    lat = sorted(lat[n // 10:])
+    print(f"{os.environ.get('TAG', '')} {op} {size} prog={int(prog)} median {statistics.median(lat) * 1e6:.2f} us"
+          f"  p10 {lat[len(lat) // 10] * 1e6:.2f}")
+    a.release_xfer_handle(h)
+    done.set()
+    p.join()
+
+
+if __name__ == "__main__":
+    main()
