@@ -215,7 +215,8 @@ impl Driver {
         Pass { did: took || got > 0 || posted, pending: busy || self.has_pending() }
     }
 
-    /// A pass for a request that moves by local copies only (CMA, direct, loopback), made on
+    /// A pass for a request that moves by local copies only (CMA, direct, loopback; not a
+    /// peer's copy, whose answer comes on rail 0), made on
     /// the caller's thread as it posts or polls: starts what was handed over and finishes
     /// what the copies completed, without reading the rails' completion queues. Reading a
     /// tcp rail's queue runs the provider's progress (socket polls): with the four automatic

@@ -519,7 +519,7 @@ impl Engine {
                 return Err(Error::Disconnected(format!("agent '{}' was disconnected", p.name)));
             }
         }
-        let local = !req.on_rails && notif.is_none();
+        let local = req.local_copies && notif.is_none();
         {
             let mut st = req.state();
             // (Copies of an earlier post that failed or timed out may still be writing the

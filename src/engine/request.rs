@@ -148,7 +148,10 @@ pub struct Request {
     /// Some segment moves over a rail (RMA or staging): the peer's progress matters, so a
     /// post reminds it (driver's kick). Same-host copies need nothing of the peer.
     pub on_rails: bool,
-    /// The last post moves by local copies only (not on_rails, no notification): the
+    /// Every segment is a copy this process makes itself (CMA, direct, loopback): nothing
+    /// of it waits for a message from the peer (a peer copy does: PeerCopy).
+    pub local_copies: bool,
+    /// The last post moves by local copies only (local_copies, no notification): the
     /// caller's passes for it need read no rail (Driver::pass_local).
     local_post: AtomicBool,
     status: AtomicI32,
@@ -275,12 +278,14 @@ impl Request {
     pub fn new(op: Op, target: Target, segs: Vec<Seg>, local: Vec<Arc<LocalMem>>, remote: Vec<Arc<RemoteMem>>, keeps: Vec<Keep>) -> Request {
         let bytes = segs.iter().map(|s| s.len).sum();
         let on_rails = segs.iter().any(|s| matches!(s.kind.route(), Route::Rma | Route::Staging));
+        let local_copies = segs.iter().all(|s| matches!(s.kind, SegKind::Cma { .. } | SegKind::Direct { .. } | SegKind::Loopback { .. }));
         Request {
             op,
             target,
             segs,
             bytes,
             on_rails,
+            local_copies,
             local_post: AtomicBool::new(false),
             status: AtomicI32::new(Status::NF_SUCCESS.code()),
             st: Mutex::new(ReqState {
