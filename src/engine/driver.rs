@@ -216,9 +216,9 @@ impl Driver {
     }
 
     /// A pass for a request that moves by local copies only (CMA, direct, loopback; not a
-    /// peer's copy, whose answer comes on rail 0), made on
-    /// the caller's thread as it posts or polls: starts what was handed over and finishes
-    /// what the copies completed, without reading the rails' completion queues. Reading a
+    /// peer's copy, whose answer comes on rail 0), made on the caller's thread as it posts
+    /// or polls: starts what was handed over and finishes what the copies completed,
+    /// without reading the rails' completion queues. Reading a
     /// tcp rail's queue runs the provider's progress (socket polls): with the four automatic
     /// tcp rails and the shm rail of the 16-core host those reads were half of a 4 KiB
     /// same-host WRITE (9.2 us; 4.1 with the shm rail alone). A full pass runs instead when
@@ -235,6 +235,11 @@ impl Driver {
         let busy = self.advance_transports();
         self.let_go_of_finished();
         Pass { did: took, pending: busy || self.has_pending() }
+    }
+
+    /// A local pass where `local` (Driver::pass_local), else a full one.
+    pub fn pass_for(&mut self, local: bool) -> Pass {
+        if local { self.pass_local() } else { self.pass() }
     }
 
     /// Lets every transport move its work on, then applies what ended and sends the control

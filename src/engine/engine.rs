@@ -544,8 +544,7 @@ impl Engine {
         counters::add(&self.core.counters.requests_posted, 1);
         self.submit(Submit::Post(req.clone()));
         if !self.threaded {
-            let mut d = self.lock_driver();
-            if local { d.pass_local() } else { d.pass() };
+            self.lock_driver().pass_for(local);
         } else if req.segs.len() <= INLINE_POST_SEGS && req.bytes <= INLINE_POST_BYTES {
             // A small request starts on the caller's thread when the rails are free (as in
             // check()): its latency then does not wait for the progress thread's turn. Large
@@ -565,14 +564,13 @@ impl Engine {
             return false;
         }
         let Ok(mut d) = self.driver.try_lock() else { return false };
-        if local {
-            // Not a caller carrying the engine: the progress thread keeps reading the rails.
-            d.pass_local();
-            return true;
-        }
-        d.pass();
+        d.pass_for(local);
         drop(d);
-        self.core.note_caller_pass();
+        // A local pass is no caller carrying the engine: the progress thread keeps reading
+        // the rails.
+        if !local {
+            self.core.note_caller_pass();
+        }
         true
     }
 
@@ -583,8 +581,7 @@ impl Engine {
         }
         let local = req.local_post();
         if !self.threaded {
-            let mut d = self.lock_driver();
-            if local { d.pass_local() } else { d.pass() };
+            self.lock_driver().pass_for(local);
             return req.status();
         }
         // A caller polling for its request would otherwise wait for the progress thread to

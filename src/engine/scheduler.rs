@@ -251,14 +251,15 @@ fn resolve(inp: &Inputs, reach: &dyn Reach, target: &Target, mems: (&Arc<LocalMe
                 return Ok(Way::SameHost { kind, shift });
             }
             let lstaged = lm.dev.filter(|d| d.staged);
-            if (lstaged.is_some() || desc.staged) && !peer.info.packed_staging {
+            let staged = lstaged.is_some() || desc.staged;
+            if staged && !peer.info.packed_staging {
                 // Its stage requests and ours would not parse at the other end: say so now
                 // instead of letting every chunk wait for an answer until the timeout.
                 return Err(Error::Mismatch(format!(
                     "agent '{peer_name}' runs an older nixl-fabric whose GPU staging format (1) is not ours ({}): descriptor {i} cannot be staged; update both sides",
                     super::wire::STAGE_FORMAT)));
             }
-            Ok(if lstaged.is_some() || desc.staged { Way::Staged(lstaged) } else { Way::Rma })
+            Ok(if staged { Way::Staged(lstaged) } else { Way::Rma })
         }
         (Target::Local, RemoteMem::Peer { peer, .. }) => {
             Err(Error::InvalidParam(format!("loopback request, but remote descriptor {i} belongs to agent '{}'", peer.name)))

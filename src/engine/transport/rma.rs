@@ -112,18 +112,15 @@ impl Rma {
     /// its rails, each its own connection (tcp), and a read on one shows nothing about the
     /// writes on another. Returns how many were queued.
     fn queue_flushes(&mut self, req: &Arc<Request>, epoch: u64, rail: usize) -> usize {
-        let hops = req.peer().map_or(0, |p| p.route.iter().filter(|h| h.rail as usize == rail).count());
+        // The scan stops once every peer rail behind ours was seen: at the first write in the
+        // usual case of one.
+        let hops = req.peer().map_or(0, |p| p.route.iter().filter(|h| h.rail as usize == rail).count()).max(1);
         let mut rrails: Vec<u16> = Vec::new();
-        if hops <= 1 {
-            // One peer rail behind ours (the usual case): its first write names it.
-            rrails.extend(req.segs.iter().find(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)).map(|s| s.rrail));
-        } else {
-            for s in req.segs.iter().filter(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)) {
-                if !rrails.contains(&s.rrail) {
-                    rrails.push(s.rrail);
-                    if rrails.len() == hops {
-                        break;
-                    }
+        for s in req.segs.iter().filter(|s| s.rail as usize == rail && matches!(s.kind, SegKind::Rma)) {
+            if !rrails.contains(&s.rrail) {
+                rrails.push(s.rrail);
+                if rrails.len() == hops {
+                    break;
                 }
             }
         }
