@@ -369,6 +369,19 @@ struct ChunkFill {
     shared: (u8, usize, u64),
 }
 
+/// The rail pair of the next staging chunk: the route's pairs in turn, past those that
+/// touch rail 0 on either side where config staging_rail0 is off and another pair exists.
+fn next_chunk_pair(inp: &Inputs, route: &[RoutePair]) -> RoutePair {
+    let turn = || route[inp.rr_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % route.len()];
+    let mut h = turn();
+    if !inp.cfg.staging_rail0 && route.iter().any(|p| p.rail != 0 && p.rrail != 0) {
+        while h.rail == 0 || h.rrail == 0 {
+            h = turn();
+        }
+    }
+    h
+}
+
 /// Cuts a pair with staged device memory on either side into segments of packed staging
 /// chunks: consecutive blocks fill one chunk (one rail pair) up to its bytes and block
 /// count, a block that does not fit is cut at the chunk's end, and each new chunk takes the
@@ -388,7 +401,7 @@ fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, fill: &mut ChunkFill, local: (
         let hop = match fill.hop {
             Some(h) if fill.bytes < chunk && fill.blocks < max_blocks && fill.shared == shared => h,
             _ => {
-                let h = route[inp.rr_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % route.len()];
+                let h = next_chunk_pair(inp, route);
                 *fill = ChunkFill { hop: Some(h), bytes: 0, blocks: 0, shared };
                 h
             }
@@ -576,6 +589,17 @@ mod tests {
         assert_eq!(plan.segs.len(), 3);
         assert!(plan.segs.iter().all(|s| matches!(s.kind, SegKind::DevToHost { .. }) && s.len == 1 << 20));
         assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 1, 0], "chunks round-robin over the rail pairs");
+        // staging_rail0 off: rail 0 keeps only control traffic where another pair exists.
+        let mut off = cfg.clone();
+        off.staging_rail0 = false;
+        let p3 = peer(1, 3, Locality::Remote, false);
+        let r3 = remote(&p3, 0x900_0000, 8 << 20, 3);
+        let l3 = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 3, Vec::new(), Arc::new(Mutex::new(CloseQueue::default())), Some(dev), None));
+        let pairs3 = [Pair { local: (0x10_0000, 4 << 20, &l3), remote: (0x900_0000, 4 << 20, &r3) }];
+        let plan = run(&off, 3, &Target::Peer(p3), &pairs3, &Nothing(None)).unwrap();
+        assert_eq!(plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>(), vec![(1, 1), (2, 2), (1, 1), (2, 2)]);
+        let plan = run(&off, 2, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
+        assert!(plan.segs.iter().all(|s| s.rail == 1), "two rails: chunks on rail 1 only");
         // A peer of a build before packed staging reads none of our stage requests: refused
         // at once with the reason, not left to time out chunk by chunk.
         let mut info = p.info.clone();

@@ -31,6 +31,8 @@
 #                                             over the same rails in each: VRAM/DRAM and GB/s.
 #   STAGING_SWEEP="0:4 4M:4 4M:8"             chunk:depth pairs (0 = automatic chunk)
 #   STAGING_ONLY="VRAM->VRAM 1x64MiB,..."     the cases (agent_ipc.py --only)
+#   STAGING_TAG=-norail0                      a suffix for this sweep's result names (with an
+#                                             exported NIXL_FABRIC_* knob, an A/B of it)
 #   vllm, descs and staging run only when named in RUN_GPU_ONLY (benchmarks, not part of a full run).
 # Results of the ipc, vmm and dram sections (JSON, PNG, logs) go to $OUT when it is set, else
 # to the bundle (dram: $OUT/dram, vllm: $OUT/vllm, descs: $OUT/descs).
@@ -240,7 +242,7 @@ if named staging; then
   ONLY=${STAGING_ONLY:-"VRAM->VRAM 1x64MiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->DRAM 1x64MiB"}
   for cd in ${STAGING_SWEEP:-0:4 4M:4 4M:8 2M:16}; do
     c=${cd%%:*}; d=${cd##*:}
-    tag=c${c}-d${d}
+    tag=c${c}-d${d}${STAGING_TAG:-}
     NIXL_FABRIC_LOG=info NIXL_FABRIC_STAGING_CHUNK_SIZE=$c NIXL_FABRIC_STAGING_DEPTH=$d NIXL_PLUGIN_DIR=$B/plugins AGENT_IPC_TOTAL_S=100 \
       timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --only "$ONLY" --json "$R/staging_$tag.json" \
       > "$B/staging_$tag.log" 2>&1 || rc=1
@@ -259,6 +261,8 @@ for n, r in res.items():
     print(f"{sys.argv[2]:<10} {n:<34} {g or 0:8.2f} GB/s {ratio:>12} {'exact' if r['verified'] else 'BAD'}")
 PY
     grep -m1 "staging pool" "$B/staging_$tag.log" | sed 's/^.*\] //'
+    # where the chunks' time went (timing.rs), one line per engine that staged
+    grep "staging times" "$B/staging_$tag.log" | sed "s/^.*\] //" | head -12
   done
 fi
 if want lf2 && [ -f "$B/libfabric2-cuda.tar.xz" ]; then

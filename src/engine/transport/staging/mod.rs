@@ -17,6 +17,7 @@
 //! provider any more, so its slot never goes back under a live RMA.
 mod pool;
 mod serve;
+mod timing;
 
 use super::{Cx, Post, Start, Transport};
 use crate::cuda;
@@ -31,6 +32,8 @@ use super::slab::Slab;
 use pool::{ensure, rma_ops, Piece, Stager};
 use serve::{Serves, SERVE_RMA};
 use std::sync::Arc;
+use std::time::Instant;
+use timing::{Step, Times};
 
 /// TOp::tag of the RMA of one of our chunks.
 const JOB_RMA: u8 = 1;
@@ -64,6 +67,9 @@ struct Job {
     left: usize,
     /// An operation of the chunk failed: it ends with this once the others are back.
     failed: Option<Error>,
+    /// When the chunk started, and when its current step began (timing.rs).
+    born: Instant,
+    stamp: Instant,
 }
 
 impl Job {
@@ -96,11 +102,14 @@ pub struct Staging {
     jobs: Slab<Job>,
     serves: Serves,
     next_key: u64,
+    times: Times,
+    /// The engine's name, for the timing line at shutdown.
+    name: String,
 }
 
 impl Staging {
     pub fn new(owner: u8) -> Staging {
-        Staging { owner, pool: None, jobs: Slab::default(), serves: Serves::default(), next_key: POOL_KEYS }
+        Staging { owner, pool: None, jobs: Slab::default(), serves: Serves::default(), next_key: POOL_KEYS, times: Times::default(), name: String::new() }
     }
 
     /// Most bytes and blocks of one chunk: a slot (ours, or the owner's, which is sized by
@@ -139,12 +148,15 @@ impl Staging {
                 let p = ensure(&mut self.pool, cx, &ctx, &mut self.next_key)?;
                 match p.take(true) {
                     Some(slot) => Some(slot),
-                    None => return Ok(false),
+                    None => {
+                        self.times.no_slot += 1;
+                        return Ok(false);
+                    }
                 }
             }
             _ => None,
         };
-        let job = Job { req: req.clone(), epoch, first, n, slot, phase: Phase::WaitAck, peer_id: req.peer_id(), rma: Vec::new(), next_op: 0, left: 0, failed: None };
+        let job = Job { req: req.clone(), epoch, first, n, slot, phase: Phase::WaitAck, peer_id: req.peer_id(), rma: Vec::new(), next_op: 0, left: 0, failed: None, born: Instant::now(), stamp: Instant::now() };
         let token = self.jobs.insert(job);
         if let Err(e) = self.first_step(cx, token) {
             self.finish(cx, token, Err(e));
@@ -206,6 +218,7 @@ impl Staging {
             _ => return Err(Error::Backend("a stage request without memory to stage through".into())),
         };
         j.phase = Phase::WaitAck;
+        j.stamp = Instant::now();
         let dest = cx.conns.ctrl_addr(j.peer_id)?;
         let st = Stage { token, dir, rail: first.rail, rrail: first.rrail, peer_key, ranges };
         add(&cx.core.counters.stage_requests, 1);
@@ -220,6 +233,7 @@ impl Staging {
         let s = j.segs()[0];
         let rail = s.rail as usize;
         if j.rma.is_empty() && j.next_op == 0 {
+            j.stamp = Instant::now();
             let batch = cx.rails.get(rail).map_or(1, |r| r.caps().rma_batch).min(cx.core.cfg.rma_batch.max(1) as usize);
             j.rma = rma_ops(j.segs().iter().map(|s| (s.raddr, s.len as usize)), batch);
         }
@@ -264,6 +278,9 @@ impl Staging {
         if let (Some(slot), Some(pool)) = (job.slot, self.pool.as_mut()) {
             pool.give(slot, true);
         }
+        if res.is_ok() {
+            self.times.add(Step::Total, job.born);
+        }
         let len = job.bytes();
         cx.piece(job.req, job.epoch, len, res);
     }
@@ -277,7 +294,10 @@ impl Staging {
             _ => Err(Error::Backend("copy-in without a slot".into())),
         };
         match res {
-            Ok(ev) => j.phase = Phase::CopyIn(ev),
+            Ok(ev) => {
+                j.phase = Phase::CopyIn(ev);
+                j.stamp = Instant::now();
+            }
             Err(e) => self.finish(cx, token, Err(e)),
         }
     }
@@ -294,6 +314,7 @@ impl Staging {
             let e = Error::Backend(format!("peer failed a staged chunk: {}", Status::from_code(ack.status).name()));
             return self.finish(cx, ack.token, Err(e));
         }
+        self.times.add(Step::Owner, j.stamp);
         match (j.req.op, j.segs()[0].kind) {
             (Op::Read, SegKind::DevToDev { ctx }) => self.copy_in(cx, ack.token, ctx),
             _ => self.finish(cx, ack.token, Ok(())),
@@ -329,6 +350,7 @@ impl Staging {
             if !ready {
                 continue;
             }
+            self.times.add(if out { Step::Gather } else { Step::Scatter }, j.stamp);
             if !out {
                 self.finish(cx, token, Ok(()));
                 continue;
@@ -368,11 +390,31 @@ impl Staging {
         if let Some(e) = j.failed.take() {
             return self.finish(cx, op.token, Err(e));
         }
+        self.times.add(Step::Rma, j.stamp);
         match (j.req.op, j.segs()[0].kind) {
             (Op::Write, _) => self.finish(cx, op.token, Ok(())),
             (Op::Read, SegKind::DevToHost { ctx }) => self.copy_in(cx, op.token, ctx),
             _ => self.finish(cx, op.token, Err(Error::Backend("unexpected staging RMA completion".into()))),
         }
+    }
+}
+
+/// Chunks and serves after which falling idle logs where their time went.
+const TIMES_BURST: u64 = 256;
+
+impl Staging {
+    /// Logs the timing sums and starts new ones.
+    fn log_times(&mut self) {
+        self.times.merge(&std::mem::take(&mut self.serves.times));
+        if let Some(line) = std::mem::take(&mut self.times).summary() {
+            log::info!("{}: {line}", self.name);
+        }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        self.log_times();
     }
 }
 
@@ -387,6 +429,9 @@ impl Transport for Staging {
 
     fn start(&mut self, cx: &mut Cx, post: Post) -> Start {
         let Post { req, epoch, at, .. } = post;
+        if self.name.is_empty() {
+            self.name = cx.core.name.clone();
+        }
         let (mut i, mut pieces) = (at, 0);
         while let Some(s) = req.segs.get(i) {
             if s.kind.route() != Route::Staging {
@@ -418,6 +463,10 @@ impl Transport for Staging {
 
     fn on_control(&mut self, cx: &mut Cx, msg: &Ctrl<'_>) -> bool {
         match msg.kind {
+            CtrlType::Stage if self.name.is_empty() => {
+                self.name = cx.core.name.clone();
+                return self.on_control(cx, msg);
+            }
             CtrlType::Stage => match Stage::decode(msg.payload) {
                 Ok(st) => self.serves.request(cx, &mut self.pool, &mut self.next_key, self.owner, msg.sender_id, st),
                 Err(e) => log::warn!("{}: dropping a stage request from '{}': {e}", cx.core.name, msg.sender),
@@ -433,6 +482,9 @@ impl Transport for Staging {
 
     fn advance(&mut self, cx: &mut Cx) -> bool {
         if self.jobs.is_empty() && self.serves.idle() {
+            if self.times.count() + self.serves.times.count() >= TIMES_BURST {
+                self.log_times();
+            }
             return false;
         }
         let jobs = self.advance_jobs(cx);

@@ -8,6 +8,7 @@
 //! ends (and answers) only when none of its operations is with the provider any more.
 use super::super::slab::Slab;
 use super::pool::{ensure, rma_ops, Piece, Stager};
+use super::timing::{Step, Times};
 use super::super::Cx;
 use crate::cuda;
 use crate::engine::counters::add;
@@ -18,6 +19,7 @@ use crate::error::{Error, Result, Status};
 use crate::fabric::{FiAddr, Posted};
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// TOp::tag of a serve's RMA.
 pub const SERVE_RMA: u8 = 2;
@@ -47,6 +49,9 @@ struct Serve {
     /// The requester was disconnected: nothing more is posted for it and nobody is answered.
     gone: bool,
     _mems: Vec<Arc<LocalMem>>,
+    /// When the slot was taken, and when the current step began (timing.rs).
+    born: Instant,
+    stamp: Instant,
 }
 
 impl Serve {
@@ -58,8 +63,9 @@ impl Serve {
 #[derive(Default)]
 pub struct Serves {
     items: Slab<Serve>,
-    /// Stage requests waiting for a free slot: (sender engine id, request).
-    pub(super) waiting: VecDeque<(u64, Stage)>,
+    /// Stage requests waiting for a free slot: (sender engine id, request, arrival).
+    pub(super) waiting: VecDeque<(u64, Stage, Instant)>,
+    pub(super) times: Times,
 }
 
 /// The registrations holding every device range of a request, and their one context; Err
@@ -93,8 +99,12 @@ impl Serves {
 
     /// A peer asks us to move a chunk in or out of our device memory.
     pub fn request(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, next_key: &mut u64, owner: u8, sender: u64, st: Stage) {
-        self.waiting.push_back((sender, st));
+        self.waiting.push_back((sender, st, Instant::now()));
+        let before = self.waiting.len();
         self.start(cx, pool, next_key, owner);
+        if self.waiting.len() == before {
+            self.times.serve_queued += 1;
+        }
     }
 
     fn answer(cx: &mut Cx, sender: u64, token: u64, status: Status) {
@@ -111,7 +121,7 @@ impl Serves {
     }
 
     fn start(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, next_key: &mut u64, owner: u8) {
-        while let Some((sender, st)) = self.waiting.front() {
+        while let Some((sender, st, _)) = self.waiting.front() {
             let (sender, token) = (*sender, st.token);
             let (mems, ctx) = match owners(cx, st) {
                 Ok(x) => x,
@@ -137,7 +147,8 @@ impl Serves {
                 continue;
             }
             let Some(slot) = p.take(false) else { return };
-            let Some((_, st)) = self.waiting.pop_front() else { return };
+            let Some((_, st, arrived)) = self.waiting.pop_front() else { return };
+            self.times.add(Step::ServeWait, arrived);
             let Some(dest) = cx.conns.initiator_rail_addr(sender, &*cx.rails[rail], st.rail as usize, &cx.core.name) else {
                 p.give(slot, false);
                 Self::refuse(cx, sender, token, &format!("its sender's rail {} cannot be reached from our rail {rail}", st.rail));
@@ -146,7 +157,7 @@ impl Serves {
             add(&cx.core.counters.stage_served, 1);
             let batch = cx.rails[rail].caps().rma_batch.min(cx.core.cfg.rma_batch.max(1) as usize);
             let rma = rma_ops(st.ranges.iter().map(|r| (r.1, r.2 as usize)), batch);
-            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems };
+            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: Instant::now(), stamp: Instant::now() };
             let phase = match s.stage.dir {
                 StageDir::Pull => Ok(Phase::Rma),
                 StageDir::Push => p.copy(cx.core, ctx, slot, &s.dev_ranges(), true).map(Phase::CopyOut),
@@ -218,6 +229,8 @@ impl Serves {
         if let Some(e) = s.failed.take() {
             return self.end(cx, pool, id, Err(e));
         }
+        self.times.add(Step::ServeRma, s.stamp);
+        s.stamp = Instant::now();
         match s.stage.dir {
             StageDir::Push => self.end(cx, pool, id, Ok(())),
             StageDir::Pull => {
@@ -257,6 +270,8 @@ impl Serves {
             if !ready {
                 continue;
             }
+            self.times.add(Step::ServeCopy, s.stamp);
+            s.stamp = Instant::now();
             if let Some(e) = s.failed.take() {
                 self.end(cx, pool, id, Err(e));
             } else if copy_in {
@@ -275,7 +290,7 @@ impl Serves {
     /// once where the provider holds none of its operations, else when the last completes
     /// or its running device copy finishes.
     pub fn drop_sender(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, engine_id: u64) {
-        self.waiting.retain(|(sender, _)| *sender != engine_id);
+        self.waiting.retain(|(sender, _, _)| *sender != engine_id);
         for id in self.items.tokens() {
             let Some(s) = self.items.get_mut(id) else { continue };
             if s.sender != engine_id {
@@ -296,6 +311,7 @@ impl Serves {
         if let Some(p) = pool.as_mut() {
             p.give(s.slot, false);
         }
+        self.times.add(Step::ServeTotal, s.born);
         if s.gone {
             log::info!("{}: dropped a staged chunk of a disconnected peer (its slot is free again)", cx.core.name);
             return;
