@@ -9,7 +9,7 @@ use super::counters::{add, Counters};
 use crate::error::{Error, Status};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -343,6 +343,14 @@ impl Request {
     pub fn peer_alive(&self) -> Result<(), Error> {
         match self.peer() {
             Some(p) if !p.local.alive() => Err(Error::Disconnected(format!("agent '{}' exited", p.name))),
+            _ => Ok(()),
+        }
+    }
+
+    /// As `peer_alive`, but a same-host peer seen alive within `age` is not polled again.
+    pub fn peer_alive_within(&self, age: Duration) -> Result<(), Error> {
+        match self.peer() {
+            Some(p) if !p.local.alive_within(age) => Err(Error::Disconnected(format!("agent '{}' exited", p.name))),
             _ => Ok(()),
         }
     }
