@@ -542,14 +542,23 @@ impl Engine {
             req.set_local_post(local);
         }
         counters::add(&self.core.counters.requests_posted, 1);
-        self.submit(Submit::Post(req.clone()));
+        let small = req.segs.len() <= INLINE_POST_SEGS && req.bytes <= INLINE_POST_BYTES;
+        self.inbox.push(Submit::Post(req.clone()));
         if !self.threaded {
             self.lock_driver().pass_for(local);
-        } else if req.segs.len() <= INLINE_POST_SEGS && req.bytes <= INLINE_POST_BYTES {
-            // A small request starts on the caller's thread when the rails are free (as in
-            // check()): its latency then does not wait for the progress thread's turn. Large
-            // ones are left to the thread, so that posting stays cheap for the caller.
-            self.caller_pass(local);
+        } else if local && small && self.caller_pass(true) {
+            // Copies this process makes, started (and as a rule finished) by the caller's
+            // own pass: the progress thread has nothing to do for them, so a sleeping one is
+            // left asleep. Waking it cost an eventfd write and a thread that then contends
+            // for the driver (4 KiB WRITE between two processes, progress on, CPU VM).
+        } else {
+            self.core.wake();
+            if small {
+                // A small request starts on the caller's thread when the rails are free (as
+                // in check()): its latency then does not wait for the progress thread's
+                // turn. Large ones are left to the thread, so that posting stays cheap.
+                self.caller_pass(local);
+            }
         }
         Ok(req.status())
     }
