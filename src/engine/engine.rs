@@ -147,13 +147,14 @@ impl Engine {
         let inbox: Arc<Inbox<Driver>> = Arc::default();
         let ports: Vec<Arc<dyn Port>> = rails.iter().map(|r| r.clone() as Arc<dyn Port>).collect();
         let cma_threads = transport::cma::thread_count(core.cfg.cma_threads);
+        let cma_spin = Duration::from_micros(core.cfg.cma_spin_us);
         let rma_batch = core.cfg.rma_batch;
         let driver = Driver::new(core.clone(), inbox.clone(), ports, |rails| {
             Ok(vec![
                 Box::new(transport::rma::Rma::new(0, rails, rma_batch)?) as Box<dyn Transport>,
                 Box::new(transport::staging::Staging::new(1)),
                 Box::new(transport::direct::Direct::default()),
-                Box::new(transport::cma::Cma::new(name, cma_threads)),
+                Box::new(transport::cma::Cma::new(name, cma_threads).with_spin(cma_spin)),
                 Box::new(transport::loopback::Loopback),
             ])
         })?;

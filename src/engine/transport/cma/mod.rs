@@ -60,6 +60,12 @@ impl Cma {
         Cma { pool: Pool::new(name, threads), tracks: Vec::new() }
     }
 
+    /// How long an idle copy thread keeps looking for work before it blocks.
+    pub fn with_spin(self, spin: Duration) -> Cma {
+        self.pool.set_spin(spin);
+        self
+    }
+
     /// Moves `ranges` of `req` with process `pid` (THIS_PROCESS: between engines here): one
     /// piece on this thread, the others on the pool, the post tracked until they are done.
     /// Returns the pieces outstanding (0: all copied here).
