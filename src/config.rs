@@ -85,8 +85,8 @@ tunables! {
         "host memory of a same-host peer process that this process may access (cross-memory attach; needs same_host_shm) is written and read directly with process_vm_writev/readv, many descriptors per call and large requests split over copy threads, instead of through the shm rail; also spreads host-to-host copies of 2 MiB and more between engines of one process over the copy threads";
     cma_threads: u64 = U64, "0", "NIXL_FABRIC_CMA_THREADS",
         "copy threads per engine for cma_copy and large same-process host copies (started at first use); 0 = half the cores this process may run on, at most 7";
-    cma_spin_us: u64 = U64, "50", "NIXL_FABRIC_CMA_SPIN_US",
-        "how long a copy thread that ran out of pieces keeps looking for the next (yielding its core) before it sleeps: a sleeping thread can take tens of microseconds to wake on an idle host, as long as its share of a 1 MiB copy; 0 = sleep at once";
+    cma_spin_us: u64 = U64, "0", "NIXL_FABRIC_CMA_SPIN_US",
+        "how long a copy thread that ran out of pieces keeps looking for the next (yielding its core) before it sleeps; 0 = sleep at once (the H200 host's 1 MiB same-host WRITE was slower with 50: 137-143 us against 118-122)";
     vram_registration: String = Str, "auto", "NIXL_FABRIC_VRAM_REGISTRATION",
         "how GPU memory is registered with a provider that offers FI_HMEM: auto tries a dma-buf registration (libfabric >= 1.20 and a driver that exports dma-bufs), then plain FI_HMEM, then falls back to packed staging; dmabuf or hmem take only that kind (a registration the provider refuses fails: to pin a path in tests); staged always stages";
     staging_buffer_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
