@@ -487,6 +487,13 @@ impl Transport for Staging {
             }
             return false;
         }
+        if !self.jobs.is_empty() {
+            // Our chunks' bytes cross the rails as the owner's RMA as often as ours (a PULL
+            // reads our slot, a PUSH writes into it), and nothing we post on those rails
+            // says so: keep their threads driving them (a tcp target's progress is what
+            // answers a read and lands a write).
+            cx.core.note_rail_traffic();
+        }
         let jobs = self.advance_jobs(cx);
         self.serves.advance(cx, &mut self.pool, &mut self.next_key, self.owner) | jobs
     }
