@@ -17,7 +17,7 @@ pub(super) fn driver(b: &Bench) -> (Driver, Arc<Inbox<Driver>>) {
     let d = Driver::new(b.core.clone(), inbox.clone(), b.rails.clone(), |rails| {
         Ok(vec![
             Box::new(rma::Rma::new(0, rails, 4)?) as Box<dyn Transport>,
-            Box::new(staging::Staging::new(1)),
+            Box::new(staging::Staging::new(1, "test")),
             Box::new(direct::Direct::default()),
             Box::new(cma::Cma::new("test", 1)),
             Box::new(loopback::Loopback),

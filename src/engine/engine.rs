@@ -152,7 +152,7 @@ impl Engine {
         let driver = Driver::new(core.clone(), inbox.clone(), ports, |rails| {
             Ok(vec![
                 Box::new(transport::rma::Rma::new(0, rails, rma_batch)?) as Box<dyn Transport>,
-                Box::new(transport::staging::Staging::new(1)),
+                Box::new(transport::staging::Staging::new(1, name)),
                 Box::new(transport::direct::Direct::default()),
                 Box::new(transport::cma::Cma::new(name, cma_threads).with_spin(cma_spin)),
                 Box::new(transport::loopback::Loopback),

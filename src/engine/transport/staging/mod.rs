@@ -103,13 +103,13 @@ pub struct Staging {
     serves: Serves,
     next_key: u64,
     times: Times,
-    /// The engine's name, for the timing line at shutdown.
+    /// The engine's name, for the timing line.
     name: String,
 }
 
 impl Staging {
-    pub fn new(owner: u8) -> Staging {
-        Staging { owner, pool: None, jobs: Slab::default(), serves: Serves::default(), next_key: POOL_KEYS, times: Times::default(), name: String::new() }
+    pub fn new(owner: u8, name: &str) -> Staging {
+        Staging { owner, pool: None, jobs: Slab::default(), serves: Serves::default(), next_key: POOL_KEYS, times: Times::default(), name: name.to_string() }
     }
 
     /// Most bytes and blocks of one chunk: a slot (ours, or the owner's, which is sized by
@@ -156,7 +156,8 @@ impl Staging {
             }
             _ => None,
         };
-        let job = Job { req: req.clone(), epoch, first, n, slot, phase: Phase::WaitAck, peer_id: req.peer_id(), rma: Vec::new(), next_op: 0, left: 0, failed: None, born: Instant::now(), stamp: Instant::now() };
+        let now = Instant::now();
+        let job = Job { req: req.clone(), epoch, first, n, slot, phase: Phase::WaitAck, peer_id: req.peer_id(), rma: Vec::new(), next_op: 0, left: 0, failed: None, born: now, stamp: now };
         let token = self.jobs.insert(job);
         if let Err(e) = self.first_step(cx, token) {
             self.finish(cx, token, Err(e));
@@ -223,6 +224,11 @@ impl Staging {
         let st = Stage { token, dir, rail: first.rail, rrail: first.rrail, peer_key, ranges };
         add(&cx.core.counters.stage_requests, 1);
         cx.ctrl(j.peer_id, dest, CtrlType::Stage, &st.encode());
+        // The owner answers with RMA on this chunk's rail pair (a PULL reads our memory, a
+        // PUSH writes into our slot), which nothing we post there announces: keep our rail
+        // threads driving their rails (a tcp target's progress answers a read and lands a
+        // write). `sweep` keeps this up while chunks are in flight.
+        cx.core.note_rail_traffic();
         Ok(())
     }
 
@@ -429,9 +435,6 @@ impl Transport for Staging {
 
     fn start(&mut self, cx: &mut Cx, post: Post) -> Start {
         let Post { req, epoch, at, .. } = post;
-        if self.name.is_empty() {
-            self.name = cx.core.name.clone();
-        }
         let (mut i, mut pieces) = (at, 0);
         while let Some(s) = req.segs.get(i) {
             if s.kind.route() != Route::Staging {
@@ -463,10 +466,6 @@ impl Transport for Staging {
 
     fn on_control(&mut self, cx: &mut Cx, msg: &Ctrl<'_>) -> bool {
         match msg.kind {
-            CtrlType::Stage if self.name.is_empty() => {
-                self.name = cx.core.name.clone();
-                return self.on_control(cx, msg);
-            }
             CtrlType::Stage => match Stage::decode(msg.payload) {
                 Ok(st) => self.serves.request(cx, &mut self.pool, &mut self.next_key, self.owner, msg.sender_id, st),
                 Err(e) => log::warn!("{}: dropping a stage request from '{}': {e}", cx.core.name, msg.sender),
@@ -486,13 +485,6 @@ impl Transport for Staging {
                 self.log_times();
             }
             return false;
-        }
-        if !self.jobs.is_empty() {
-            // Our chunks' bytes cross the rails as the owner's RMA as often as ours (a PULL
-            // reads our slot, a PUSH writes into it), and nothing we post on those rails
-            // says so: keep their threads driving them (a tcp target's progress is what
-            // answers a read and lands a write).
-            cx.core.note_rail_traffic();
         }
         let jobs = self.advance_jobs(cx);
         self.serves.advance(cx, &mut self.pool, &mut self.next_key, self.owner) | jobs
@@ -534,6 +526,14 @@ impl Transport for Staging {
 
     fn idle(&self) -> bool {
         self.jobs.is_empty() && self.serves.idle()
+    }
+
+    /// Chunks waiting for the owner's RMA longer than the rail threads' traffic window
+    /// (one that is slow, or queued behind others) keep them driving the rails (see `ask`).
+    fn sweep(&mut self, cx: &mut Cx) {
+        if !self.jobs.is_empty() {
+            cx.core.note_rail_traffic();
+        }
     }
 }
 
@@ -614,7 +614,7 @@ mod tests {
         let theirs = pattern(CHUNK, 3);
         let untouched = theirs.clone();
         b.conns.initiators.insert(77, Initiator { name: "init".into(), info: None, addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
-        let mut t = Staging::new(1);
+        let mut t = Staging::new(1, "test");
         b.fakes[0].script(&[Answer::Again, Answer::Again]);
         b.fakes[0].storm(3);
         let st = Stage { token: 42, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 9, ranges: vec![(buf.addr() + CHUNK as u64, theirs.as_ptr() as u64, CHUNK as u64)] };
@@ -655,7 +655,7 @@ mod tests {
         for id in [77, 78] {
             b.conns.initiators.insert(id, Initiator { name: format!("init{id}"), info: None, addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
         }
-        let mut t = Staging::new(1);
+        let mut t = Staging::new(1, "test");
         b.fakes[0].refuse_all(true);
         let stage = |token: u64, slot: u64| Stage { token, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 9, ranges: vec![(buf.addr() + slot * CHUNK as u64, theirs.as_ptr() as u64, CHUNK as u64)] };
         // More requests from 77 than the pool has slots; one from 78.
@@ -709,7 +709,7 @@ mod tests {
         let req = request(Op::Write, &peer, segs);
         b.fakes[0].script(&[Answer::Again, Answer::Accept, Answer::Again]);
         b.fakes[0].storm(4);
-        let mut t = Staging::new(1);
+        let mut t = Staging::new(1, "test");
         let run = b.run(&mut t, &req, 500);
         assert!(run.failed.is_none());
         assert_eq!(run.pieces.len(), 4);
@@ -776,7 +776,7 @@ mod tests {
             rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None, rail0_saw: false, packed_staging: true,
         };
         owner.conns.initiators.insert(init.core.engine_id, Initiator { name: "init".into(), info: Some(info), addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
-        Pair { init, owner, ti: Staging::new(1), to: Staging::new(1), peer }
+        Pair { init, owner, ti: Staging::new(1, "test"), to: Staging::new(1, "test"), peer }
     }
 
     /// Hands the control messages in `from`'s outcomes to `t` (pieces stay).
@@ -887,7 +887,7 @@ mod tests {
     /// Chunks of a planned request: runs of segments a start takes as one.
     fn chunk_count(p: &Pair, req: &Request) -> usize {
         let mut cx_bench = Bench::with_config(RAILS, false, p.init.core.cfg.clone());
-        let t = Staging::new(1);
+        let t = Staging::new(1, "test");
         let mut at = 0;
         let mut n = 0;
         while at < req.segs.len() {

@@ -157,7 +157,8 @@ impl Serves {
             add(&cx.core.counters.stage_served, 1);
             let batch = cx.rails[rail].caps().rma_batch.min(cx.core.cfg.rma_batch.max(1) as usize);
             let rma = rma_ops(st.ranges.iter().map(|r| (r.1, r.2 as usize)), batch);
-            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: Instant::now(), stamp: Instant::now() };
+            let now = Instant::now();
+            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: now, stamp: now };
             let phase = match s.stage.dir {
                 StageDir::Pull => Ok(Phase::Rma),
                 StageDir::Push => p.copy(cx.core, ctx, slot, &s.dev_ranges(), true).map(Phase::CopyOut),

@@ -1,8 +1,8 @@
 //! Where staged chunks spend their time, summed per step and logged at INFO each time the
-//! staging transport falls idle after a burst (and at shutdown). On a GPU host this tells whether the device copies, our RMA, the
-//! owner's round trip or waiting for a slot holds a chunk back, which is what chunk size and
-//! depth are tuned against (the stand-in driver's copies are host memcpy, so only a real
-//! GPU's figures mean anything).
+//! staging transport falls idle after a burst (and at shutdown). On a GPU host this tells
+//! whether the device copies, our RMA, the owner's round trip or waiting for a slot holds a
+//! chunk back, which is what chunk size and depth are tuned against (the stand-in driver's
+//! copies are host memcpy, so only a real GPU's figures mean anything).
 use std::time::Instant;
 
 /// A step of one of our chunks (`Gather` .. `Total`) or of a serve (`Serve*`).
