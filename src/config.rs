@@ -95,8 +95,8 @@ tunables! {
         "size of one staging chunk: many small GPU blocks are packed into one chunk by one gather launch, moved as one RMA and unpacked by one scatter launch; 0 = the bandwidth-delay product of one rail (its provider's bandwidth over about 400 us, 1 MiB over tcp, 4 MiB over verbs/efa)";
     staging_depth: u64 = U64, "4", "NIXL_FABRIC_STAGING_DEPTH",
         "staging chunks in flight per rail (the device copy of one overlaps the wire of the one before and the device copy at the far end of the one before that); sizes the automatic staging pool";
-    staging_rail0: bool = Bool, "true", "NIXL_FABRIC_STAGING_RAIL0",
-        "staged chunks take rail 0 in their turn like every other rail; false keeps them off rail 0 (and the peer's rail 0) wherever the route has another pair, so the stage requests and answers that rail 0 carries never queue behind a chunk's bytes on its connection";
+    staging_rail0: bool = Bool, "false", "NIXL_FABRIC_STAGING_RAIL0",
+        "false keeps staged chunks off rail 0 (and the peer's rail 0) wherever the route has at least two other pairs, so the stage requests and answers that rail 0 carries never queue behind a chunk's bytes on its connection (and the progress thread, which drives rail 0, never moves a chunk's bytes); true lets them take rail 0 in their turn like every other rail";
     staging_ranges: u64 = U64, "1024", "NIXL_FABRIC_STAGING_RANGES",
         "most GPU blocks packed into one staging chunk (its stage request carries 24 bytes per block and must fit a control message; also capped by the gather kernel's ranges per launch)";
     fault_inject: String = Str, "", "NIXL_FABRIC_FAULT_INJECT",

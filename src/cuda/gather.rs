@@ -199,7 +199,17 @@ impl CopyKernel {
     /// Every range must stay valid, and the destinations untouched by anyone else, until
     /// the launches complete (an event recorded after them reports ready).
     pub unsafe fn launch(&self, stream: &Stream, copies: &[(u64, u64, usize)]) -> Result<usize> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.launch_sliced(stream, copies, SLICE_SHIFT) }
+    }
+
+    /// [`launch`](Self::launch) with one CTA per `1 << slice_shift` bytes of a range (12..=20).
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_sliced(&self, stream: &Stream, copies: &[(u64, u64, usize)], slice_shift: u32) -> Result<usize> {
         let d = Driver::get()?;
+        let slice_shift = slice_shift.clamp(12, 20);
         let launch = d.opt(d.f.launch_kernel, "cuLaunchKernel")?;
         let mut block = vec![0u64; self.param_bytes / 8];
         let mut launches = 0;
@@ -208,13 +218,13 @@ impl CopyKernel {
             if longest == 0 {
                 continue;
             }
-            block[0] = group.len() as u64 | (u64::from(SLICE_SHIFT) << 32);
+            block[0] = group.len() as u64 | (u64::from(slice_shift) << 32);
             for (i, &(dst, src, len)) in group.iter().enumerate() {
                 block[1 + 3 * i] = dst;
                 block[2 + 3 * i] = src;
                 block[3 + 3 * i] = len as u64;
             }
-            let slices = longest.div_ceil(1 << SLICE_SHIFT);
+            let slices = longest.div_ceil(1 << slice_shift);
             let grid_x = u32::try_from(slices).map_err(|_| d.err("cuLaunchKernel", CUDA_ERROR_INVALID_VALUE))?;
             let mut arg = block.as_mut_ptr() as *mut c_void;
             // SAFETY: one parameter, a block of param_bytes bytes as the kernel declares

@@ -807,6 +807,72 @@ fn gpu_gather_kernel() {
              tk * 1e6, gb / tk, tb * 1e6, gb / tb);
 }
 
+/// What a staged chunk's device copy costs (1 MiB between device memory and a pinned slot,
+/// as staging/pool.rs queues it), by block size and method: one cuMemcpyAsync per block, or
+/// the gather kernel with a CTA per 64 / 16 / 4 KiB slice. Per chunk, back to back (the
+/// stream's rate) and one at a time (launch to event seen).
+#[test]
+fn gpu_staging_copy_rates() {
+    let Some(_) = gpu() else { return };
+    let owned = Context::create(0).unwrap();
+    const CHUNK: usize = 1 << 20;
+    let dev = DeviceBuffer::new(&owned, 4 * CHUNK).unwrap();
+    let pin = PinnedBuffer::new(&owned, CHUNK).unwrap();
+    let k = CopyKernel::load(&owned).unwrap();
+    let stream = Stream::new(&owned).unwrap();
+    owned.make_current().unwrap();
+    for out in [true, false] {
+        for bs in [CHUNK, 256 << 10, 16 << 10, 4 << 10] {
+            let n = CHUNK / bs;
+            // Blocks every other slot of device memory, reversed: scattered as KV blocks are.
+            let copies: Vec<(u64, u64, usize)> = (0..n).map(|i| {
+                let d = dev.addr() + (2 * (n - 1 - i) * bs) as u64;
+                let h = pin.ptr() as u64 + (i * bs) as u64;
+                if out { (h, d, bs) } else { (d, h, bs) }
+            }).collect();
+            let mut line = format!("staging copy {} {n:>4} x {:>4} KiB:", if out { "D2H" } else { "H2D" }, bs >> 10);
+            for method in ["memcpy", "k64K", "k16K", "k4K"] {
+                if method == "memcpy" && n > 256 {
+                    line += &format!(" {method} -");
+                    continue;
+                }
+                let one = || {
+                    // SAFETY: every range lies inside dev or pin, alive past the synchronizes.
+                    unsafe {
+                        match method {
+                            "memcpy" => {
+                                for c in &copies {
+                                    if out { stream.copy_dtoh_async(c.0 as *mut u8, c.1, c.2).unwrap() } else { stream.copy_htod_async(c.0, c.1 as *const u8, c.2).unwrap() }
+                                }
+                            }
+                            "k64K" => { k.launch_sliced(&stream, &copies, 16).unwrap(); }
+                            "k16K" => { k.launch_sliced(&stream, &copies, 14).unwrap(); }
+                            _ => { k.launch_sliced(&stream, &copies, 12).unwrap(); }
+                        }
+                    }
+                };
+                one();
+                stream.synchronize().unwrap();
+                let t = Instant::now();
+                for _ in 0..50 {
+                    one();
+                }
+                stream.synchronize().unwrap();
+                let rate = t.elapsed().as_secs_f64() / 50.0;
+                let t = Instant::now();
+                for _ in 0..20 {
+                    one();
+                    let ev = stream.record().unwrap();
+                    assert!(poll(&ev));
+                }
+                let lat = t.elapsed().as_secs_f64() / 20.0;
+                line += &format!(" {method} {:.0}/{:.0} us", rate * 1e6, lat * 1e6);
+            }
+            println!("{line}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // VMM memory shared by POSIX fds, within one process: chunks found, exported, imported and
 // mapped into a second range of our own; both ranges then show the same bytes.

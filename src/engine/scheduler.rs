@@ -370,11 +370,12 @@ struct ChunkFill {
 }
 
 /// The rail pair of the next staging chunk: the route's pairs in turn, past those that
-/// touch rail 0 on either side where config staging_rail0 is off and another pair exists.
+/// touch rail 0 on either side where config staging_rail0 is off and at least two other
+/// pairs exist (with one, rail 0's queue costs less than half the rails).
 fn next_chunk_pair(inp: &Inputs, route: &[RoutePair]) -> RoutePair {
     let turn = || route[inp.rr_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % route.len()];
     let mut h = turn();
-    if !inp.cfg.staging_rail0 && route.iter().any(|p| p.rail != 0 && p.rrail != 0) {
+    if !inp.cfg.staging_rail0 && route.iter().filter(|p| p.rail != 0 && p.rrail != 0).count() >= 2 {
         while h.rail == 0 || h.rrail == 0 {
             h = turn();
         }
@@ -585,7 +586,9 @@ mod tests {
         let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: true };
         let l = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 2, Vec::new(), q, Some(dev), None));
         let pairs = [Pair { local: (0x10_0000, 3 << 20, &l), remote: (0x900_0000, 3 << 20, &r) }];
-        let plan = run(&cfg, 2, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
+        let mut on = cfg.clone();
+        on.staging_rail0 = true;
+        let plan = run(&on, 2, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
         assert_eq!(plan.segs.len(), 3);
         assert!(plan.segs.iter().all(|s| matches!(s.kind, SegKind::DevToHost { .. }) && s.len == 1 << 20));
         assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 1, 0], "chunks round-robin over the rail pairs");
@@ -599,7 +602,7 @@ mod tests {
         let plan = run(&off, 3, &Target::Peer(p3), &pairs3, &Nothing(None)).unwrap();
         assert_eq!(plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>(), vec![(1, 1), (2, 2), (1, 1), (2, 2)]);
         let plan = run(&off, 2, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
-        assert!(plan.segs.iter().all(|s| s.rail == 1), "two rails: chunks on rail 1 only");
+        assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 1, 0], "two rails: rail 0 carries chunks too");
         // A peer of a build before packed staging reads none of our stage requests: refused
         // at once with the reason, not left to time out chunk by chunk.
         let mut info = p.info.clone();

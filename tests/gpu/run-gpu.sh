@@ -33,6 +33,7 @@
 #   STAGING_ONLY="VRAM->VRAM 1x64MiB,..."     the cases (agent_ipc.py --only)
 #   STAGING_TAG=-norail0                      a suffix for this sweep's result names (with an
 #                                             exported NIXL_FABRIC_* knob, an A/B of it)
+#   STAGING_PLUGINS=$B/plugins-old            the plugin directory (an A/B against another build)
 #   vllm, descs and staging run only when named in RUN_GPU_ONLY (benchmarks, not part of a full run).
 # Results of the ipc, vmm and dram sections (JSON, PNG, logs) go to $OUT when it is set, else
 # to the bundle (dram: $OUT/dram, vllm: $OUT/vllm, descs: $OUT/descs).
@@ -243,7 +244,7 @@ if named staging; then
   for cd in ${STAGING_SWEEP:-0:4 4M:4 4M:8 2M:16}; do
     c=${cd%%:*}; d=${cd##*:}
     tag=c${c}-d${d}${STAGING_TAG:-}
-    NIXL_FABRIC_LOG=info NIXL_FABRIC_STAGING_CHUNK_SIZE=$c NIXL_FABRIC_STAGING_DEPTH=$d NIXL_PLUGIN_DIR=$B/plugins AGENT_IPC_TOTAL_S=100 \
+    NIXL_FABRIC_LOG=info NIXL_FABRIC_STAGING_CHUNK_SIZE=$c NIXL_FABRIC_STAGING_DEPTH=$d NIXL_PLUGIN_DIR=${STAGING_PLUGINS:-$B/plugins} AGENT_IPC_TOTAL_S=100 \
       timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --only "$ONLY" --json "$R/staging_$tag.json" \
       > "$B/staging_$tag.log" 2>&1 || rc=1
     python3 - "$R/staging_$tag.json" "$tag" <<'PY'

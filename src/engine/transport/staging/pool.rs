@@ -13,6 +13,14 @@ use crate::fabric::{FiAddr, Posted, RmaSeg};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Chunks whose ranges average at least this many bytes go to the copy engines, one copy
+/// per range; chunks of smaller ranges take one gather-kernel launch. A copy costs ~2 us
+/// plus its bytes, the kernel ~22-25 us for a 1 MiB chunk of any shape (H200: 4 x 256 KiB
+/// 25-29 us by copies; 64 x 16 KiB 138-179 against 22-25), so big ranges cost the same
+/// either way; but a kernel shares the SMs with the peer's kernels where both engines use
+/// one GPU, and there READs of 256 KiB blocks waited 450-700 us for their gathers.
+const COPY_ENGINE_MIN_AVG: usize = 128 << 10;
+
 /// One RMA piece of a chunk: (offset in the slot, peer's address, length).
 pub type Piece = (usize, u64, usize);
 
@@ -98,9 +106,9 @@ impl Stager {
     /// Queues the device copies of one chunk between device `ranges` (address, length) and
     /// slot `slot`, packed back to back in range order (`out`: device to slot, a gather;
     /// else a scatter), on the context's stream of that direction, under the context (rule
-    /// 4): one copy for one range, one gather-kernel launch for several (pinned memory is
-    /// addressable by kernels under unified addressing), one copy per range where the
-    /// kernel cannot run. Returns the event that completes after them.
+    /// 4): one copy per range for large ranges, one gather-kernel launch for many small
+    /// ones (pinned memory is addressable by kernels under unified addressing), one copy
+    /// per range where the kernel cannot run. Returns the event that completes after them.
     pub fn copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, ranges: &[(u64, usize)], out: bool) -> Result<cuda::Event> {
         let total: usize = ranges.iter().map(|r| r.1).sum();
         if total > self.chunk || ranges.is_empty() {
@@ -109,7 +117,7 @@ impl Stager {
         core.apply_ctx(&ctx)?;
         let host = self.slot_ptr(slot) as u64;
         self.stream(ctx, out)?;
-        if ranges.len() > 1 && self.kernel(core, ctx).is_some() {
+        if ranges.len() > 1 && total / ranges.len() < COPY_ENGINE_MIN_AVG && self.kernel(core, ctx).is_some() {
             let mut copies = Vec::with_capacity(ranges.len());
             let mut off = 0u64;
             for &(dev, len) in ranges {
