@@ -761,6 +761,18 @@ fn mock_gather_child() {
     println!("gather child ok: {n} launch(es)");
 }
 
+/// Seconds per call of `f` back to back on `stream` (after one warm-up call), `n` calls.
+fn per_call(stream: &Stream, n: u32, f: &dyn Fn()) -> f64 {
+    f();
+    stream.synchronize().unwrap();
+    let t = Instant::now();
+    for _ in 0..n {
+        f();
+    }
+    stream.synchronize().unwrap();
+    t.elapsed().as_secs_f64() / f64::from(n)
+}
+
 #[test]
 fn gpu_gather_kernel() {
     let Some(_) = gpu() else { return };
@@ -776,16 +788,7 @@ fn gpu_gather_kernel() {
     let k = CopyKernel::load(&owned).unwrap();
     let stream = Stream::new(&owned).unwrap();
     owned.make_current().unwrap();
-    let time = |f: &dyn Fn()| {
-        f();
-        stream.synchronize().unwrap();
-        let t = Instant::now();
-        for _ in 0..20 {
-            f();
-        }
-        stream.synchronize().unwrap();
-        t.elapsed().as_secs_f64() / 20.0
-    };
+    let time = |f: &dyn Fn()| per_call(&stream, 20, f);
     // SAFETY: all ranges lie inside src/dst, alive until after the synchronizes.
     let tk = time(&|| unsafe { k.launch(&stream, &copies).map(|_| ()).unwrap() });
     let (mut d, mut s, mut z): (Vec<u64>, Vec<u64>, Vec<usize>) =
@@ -851,14 +854,7 @@ fn gpu_staging_copy_rates() {
                         }
                     }
                 };
-                one();
-                stream.synchronize().unwrap();
-                let t = Instant::now();
-                for _ in 0..50 {
-                    one();
-                }
-                stream.synchronize().unwrap();
-                let rate = t.elapsed().as_secs_f64() / 50.0;
+                let rate = per_call(&stream, 50, &one);
                 let t = Instant::now();
                 for _ in 0..20 {
                     one();
