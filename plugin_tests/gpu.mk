@@ -1,7 +1,7 @@
 # GPU tests. On this (CPU) machine `make test` runs the GPU harness three times: without a CUDA
 # driver (DRAM served, VRAM refused with NOT_SUPPORTED) and against the strict stand-in
 # driver src/cuda/mock_cuda.c (the whole staging path and the seed-bug regression), that
-# one again with four tcp rails (rail threads on the staging path).
+# one again with four tcp rails (rail threads on the staging path, rail 0 left to control).
 # `make gpu-bundle` packs everything a GPU host needs into .gpu/ (bench/bench.py included, for
 # the DRAM benchmark: RUN_GPU_ONLY=dram; bench/vllm_kv.py and bench/descs.py for the
 # descriptor-heavy benchmarks of issue #23: RUN_GPU_ONLY=vllm / descs, run only when named);
@@ -24,8 +24,9 @@ gpu-cpu-test: build $(GPU_HARNESS) $(MOCK_CUDA)
 	NIXL_FABRIC_CUDA_LIB=/nonexistent/libcuda.so.1 $(GPU_HARNESS)
 	@echo "== GPU harness, stand-in CUDA driver"
 	NIXL_FABRIC_CUDA_LIB=$(MOCK_CUDA) GPU_HARNESS_NO_BW=1 timeout 300 $(GPU_HARNESS)
-	@# what a 16-core host gets by default (rails=0: four tcp rails, three with rail threads):
-	@# staged VRAM and flush reads on threaded rails, which a 2-core host never opens
+	@# close to what a 16-core host gets by default (rails=0 gives five tcp rails there): staged
+	@# VRAM on threaded rails with rail 0 left to control messages, and flush reads on threaded
+	@# rails, which a 2-core host never opens
 	@echo "== GPU harness, stand-in CUDA driver, four tcp rails"
 	NIXL_FABRIC_RAILS=4 NIXL_FABRIC_CUDA_LIB=$(MOCK_CUDA) GPU_HARNESS_NO_BW=1 timeout 300 $(GPU_HARNESS)
 
