@@ -834,23 +834,20 @@ fn gpu_staging_copy_rates() {
                 if out { (h, d, bs) } else { (d, h, bs) }
             }).collect();
             let mut line = format!("staging copy {} {n:>4} x {:>4} KiB:", if out { "D2H" } else { "H2D" }, bs >> 10);
-            for method in ["memcpy", "k64K", "k16K", "k4K"] {
-                if method == "memcpy" && n > 256 {
-                    line += &format!(" {method} -");
-                    continue;
-                }
+            // A CTA per 64 / 16 / 4 KiB slice, or (None) one copy per block.
+            for (method, shift) in [("memcpy", None), ("k64K", Some(16)), ("k16K", Some(14)), ("k4K", Some(12))] {
                 let one = || {
                     // SAFETY: every range lies inside dev or pin, alive past the synchronizes.
                     unsafe {
-                        match method {
-                            "memcpy" => {
+                        match shift {
+                            None => {
                                 for c in &copies {
                                     if out { stream.copy_dtoh_async(c.0 as *mut u8, c.1, c.2).unwrap() } else { stream.copy_htod_async(c.0, c.1 as *const u8, c.2).unwrap() }
                                 }
                             }
-                            "k64K" => { k.launch_sliced(&stream, &copies, 16).unwrap(); }
-                            "k16K" => { k.launch_sliced(&stream, &copies, 14).unwrap(); }
-                            _ => { k.launch_sliced(&stream, &copies, 12).unwrap(); }
+                            Some(sh) => {
+                                k.launch_sliced(&stream, &copies, sh).unwrap();
+                            }
                         }
                     }
                 };

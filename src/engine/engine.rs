@@ -67,7 +67,7 @@ const INLINE_POST_BYTES: u64 = 256 << 10;
 /// 16 cores). A fifth rail on 16 cores: rail 0 carries the control messages, and packed
 /// staging keeps its chunks off it (config staging_rail0) so that a stage request or answer
 /// never queues behind a chunk's bytes, which leaves four rails of data for GPU memory
-/// (H100 host, 2026-12-05, same run: 4 rails 5.7-11.5 GB/s VRAM->VRAM, 5 rails 10.2-15.3;
+/// (H100 host, 2026-12-05, same run: 4 rails 4.1-12.3 GB/s VRAM->VRAM, 5 rails 9.6-16.1;
 /// DRAM 64 MiB READ 9.5-15.4 against 14.0-16.3).
 /// On a 2-core host a second connection only competes for the cores.
 const AUTO_SOCKET_RAILS: [(usize, usize); 2] = [(16, 5), (8, 2)];
