@@ -111,6 +111,18 @@ typedef struct {
   const void *mem;
 } nf_xfer_desc;
 
+// One descriptor laid out as NIXL's own (`nixlMetaDesc`: address, length, device id, and
+// the pointer to the caller's per-registration object), so that a NIXL adapter hands its
+// lists over as they are. `owner` holds the descriptor's registration handle (`nf_mem*`
+// for the local list, `nf_rmem*` for the remote list) at the byte offset given to
+// `nf_request_create_meta`.
+typedef struct {
+  uint64_t addr;
+  uint64_t len;
+  uint64_t dev_id;
+  const void *owner;
+} nf_meta_desc;
+
 // Receives one notification: the sender's agent name and the message bytes. Both are
 // borrowed for the duration of the call only.
 typedef void (*nf_notif_cb)(void *ctx,
@@ -244,6 +256,19 @@ nf_status nf_request_create(nf_engine *engine,
                             size_t count,
                             const char *peer,
                             nf_request **out_req);
+
+// As `nf_request_create`, from lists of `nf_meta_desc`: each descriptor's handle is read
+// from its `owner` object at byte `handle_at` (aligned to a pointer). Every `owner` must
+// be NULL (refused) or a live object of the caller's with a handle pointer at that offset;
+// the handle itself is checked as in `nf_request_create`. Runs of one owner read it once.
+nf_status nf_request_create_meta(nf_engine *engine,
+                                 uint32_t op,
+                                 const nf_meta_desc *local,
+                                 const nf_meta_desc *remote,
+                                 size_t count,
+                                 size_t handle_at,
+                                 const char *peer,
+                                 nf_request **out_req);
 
 // Posts (or reposts) a request without blocking. With `has_notif` the message is
 // delivered to the peer after all of the request's data. Returns NF_SUCCESS when it

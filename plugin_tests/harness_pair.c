@@ -3,6 +3,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +58,36 @@ static nf_xfer_desc ldesc(pair_t *p, size_t off, size_t len) {
 }
 static nf_xfer_desc rdesc(pair_t *p, size_t off, size_t len) {
     return (nf_xfer_desc){(uint64_t)(uintptr_t)(p->bbuf + off), len, p->rb};
+}
+
+/* A caller's per-registration object as nf_request_create_meta reads it: the handle at
+ * OWNER_HANDLE_AT (like the NIXL adapter's metadata object, whose handle follows its
+ * vtable and fields). */
+typedef struct {
+    uint64_t tag;
+    const void *handle;
+} owner_t;
+#define OWNER_HANDLE_AT offsetof(owner_t, handle)
+
+/* nf_request_create_meta over the pairs of l/r: every descriptor names one of two owner
+ * objects per side (both holding the same handle), so runs of one owner alternate. */
+static int create_meta(pair_t *p, uint32_t op, const nf_xfer_desc *l, const nf_xfer_desc *r, size_t n,
+                       nf_request **req) {
+    owner_t lo[2] = {{1, l[0].mem}, {2, l[0].mem}}, ro[2] = {{3, r[0].mem}, {4, r[0].mem}};
+    nf_meta_desc *lm = calloc(n, sizeof *lm), *rm = calloc(n, sizeof *rm);
+    if (!lm || !rm) {
+        free(lm);
+        free(rm);
+        return NF_ERR_BACKEND;
+    }
+    for (size_t i = 0; i < n; i++) {
+        lm[i] = (nf_meta_desc){l[i].addr, l[i].len, 0, &lo[(i / 3) % 2]};
+        rm[i] = (nf_meta_desc){r[i].addr, r[i].len, 0, &ro[(i / 5) % 2]};
+    }
+    int s = nf_request_create_meta(p->a, op, lm, rm, n, OWNER_HANDLE_AT, p->bn, req);
+    free(lm);
+    free(rm);
+    return s;
 }
 
 static nf_counters counters(nf_engine *e) {
@@ -210,8 +241,13 @@ static void t_descs(pair_t *p) {
             }
             nf_request *req = NULL;
             nf_counters c0 = counters(p->a);
-            int s = nf_request_create(p->a, (uint32_t)op, l, r, n, p->bn, &req);
-            if (check_st(s, NF_SUCCESS, "descs %s %zu descriptors: nf_request_create", op_name(op), n)) {
+            /* 16 descriptors go through the NIXL-shaped entry point (the adapter's): the
+             * same pairs, each naming an owner object that holds its handle. */
+            bool meta = n == 16;
+            int s = meta ? create_meta(p, (uint32_t)op, l, r, n, &req)
+                         : nf_request_create(p->a, (uint32_t)op, l, r, n, p->bn, &req);
+            if (check_st(s, NF_SUCCESS, "descs %s %zu descriptors: %s", op_name(op), n,
+                         meta ? "nf_request_create_meta" : "nf_request_create")) {
                 double t0 = now_s();
                 struct timespec c0t, c1t;
                 clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0t);
@@ -817,6 +853,35 @@ static void t_bad(pair_t *p) {
         l0.mem = foreign;
         check_st(nf_request_create(p->a, NF_OP_WRITE, &l0, &r, 1, p->bn, &req), NF_ERR_INVALID_PARAM,
                  "nf_request_create: local descriptor with a foreign pointer");
+    }
+    {
+        /* The NIXL-shaped entry point: owners that are NULL, hold the wrong kind of handle
+         * or none, a misaligned handle offset, and a descriptor out of bounds. */
+        owner_t lo = {1, p->amem}, ro = {2, p->rb}, swapped = {3, p->rb}, empty = {4, NULL};
+        nf_meta_desc lm = {l.addr, l.len, 0, &lo}, rm = {r.addr, r.len, 0, &ro};
+        check_st(nf_request_create_meta(p->a, NF_OP_WRITE, &lm, &rm, 1, OWNER_HANDLE_AT, p->bn, &req), NF_SUCCESS,
+                 "nf_request_create_meta: one good pair");
+        if (req)
+            release(p, req, "create_meta good pair");
+        req = NULL;
+        nf_meta_desc bad = lm;
+        bad.owner = NULL;
+        check_st(nf_request_create_meta(p->a, NF_OP_WRITE, &bad, &rm, 1, OWNER_HANDLE_AT, p->bn, &req),
+                 NF_ERR_INVALID_PARAM, "nf_request_create_meta: local descriptor with no owner");
+        bad.owner = &swapped;
+        check_st(nf_request_create_meta(p->a, NF_OP_WRITE, &bad, &rm, 1, OWNER_HANDLE_AT, p->bn, &req),
+                 NF_ERR_INVALID_PARAM, "nf_request_create_meta: local owner holding an nf_rmem");
+        bad.owner = &empty;
+        check_st(nf_request_create_meta(p->a, NF_OP_WRITE, &bad, &rm, 1, OWNER_HANDLE_AT, p->bn, &req),
+                 NF_ERR_INVALID_PARAM, "nf_request_create_meta: owner holding no handle");
+        check_st(nf_request_create_meta(p->a, NF_OP_WRITE, &lm, &rm, 1, OWNER_HANDLE_AT + 4, p->bn, &req),
+                 NF_ERR_INVALID_PARAM, "nf_request_create_meta: misaligned handle offset");
+        bad = rm;
+        bad.addr = bbase + CAP - 8;
+        check_st(nf_request_create_meta(p->a, NF_OP_WRITE, &lm, &bad, 1, OWNER_HANDLE_AT, p->bn, &req),
+                 NF_ERR_INVALID_PARAM, "nf_request_create_meta: remote descriptor crossing its registration's end");
+        check_st(nf_request_create_meta(p->a, NF_OP_WRITE, NULL, &rm, 1, OWNER_HANDLE_AT, p->bn, &req),
+                 NF_ERR_INVALID_PARAM, "nf_request_create_meta: NULL local list");
     }
     check_st(nf_request_post(p->a, NULL, NULL, 0, false), NF_ERR_INVALID_PARAM, "nf_request_post: NULL request");
     check_st(nf_request_check(p->a, NULL), NF_ERR_INVALID_PARAM, "nf_request_check: NULL request");

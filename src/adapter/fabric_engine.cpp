@@ -6,6 +6,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace nf::adapter {
@@ -27,6 +28,10 @@ static_assert(int(NF_ERR_CANCELED) == NIXL_ERR_CANCELED);
 static_assert(int(NF_MEM_DRAM) == DRAM_SEG && int(NF_MEM_VRAM) == VRAM_SEG);
 static_assert(int(NF_OP_READ) == NIXL_READ && int(NF_OP_WRITE) == NIXL_WRITE);
 static_assert(sizeof(nf_xfer_desc) == 24);
+// nixlMetaDesc is addr, len, devId, metadataP at 0/8/16/24 (ABI doc §4.3); prepXfer passes
+// its lists as nf_meta_desc, which has the same four fields at the same offsets.
+static_assert(sizeof(nixlMetaDesc) == sizeof(nf_meta_desc) && sizeof(nf_meta_desc) == 32);
+static_assert(std::is_standard_layout_v<nf_meta_desc>);
 
 namespace {
 
@@ -56,6 +61,19 @@ struct Blob {
     ~Blob() { nf_blob_free(&b); }
     void copy_to(std::string &out) const { out.assign(reinterpret_cast<const char *>(b.data), b.len); }
 };
+
+} // namespace
+
+size_t AdapterMD::handle_offset() {
+    static const size_t at = [] {
+        const LocalMD probe;
+        const nixlBackendMD *md = &probe;
+        return static_cast<size_t>(reinterpret_cast<const char *>(&probe.handle) - reinterpret_cast<const char *>(md));
+    }();
+    return at;
+}
+
+namespace {
 
 const LocalMD *as_local(const nixlBackendMD *md) {
     auto *a = static_cast<const AdapterMD *>(md);
@@ -158,10 +176,12 @@ nixl_status_t FabricEngine<Base>::registerMem(const nixlBlobDesc &mem, const nix
                                               nixlBackendMD *&out) noexcept {
     return guarded([&] {
         auto md = std::make_unique<LocalMD>();
+        nf_mem *h = nullptr;
         const nf_status s = nf_mem_register(engine_, mem.addr, mem.len, static_cast<uint32_t>(nixl_mem),
-                                            mem.devId, &md->mem);
+                                            mem.devId, &h);
         if (s != NF_SUCCESS)
             return to_nixl(s);
+        md->handle = h;
         md->len = mem.len;
         this->addTelemetryEvent(nixl_telemetry_event_type_t::AGENT_MEMORY_REGISTERED, mem.len);
         out = md.release();
@@ -176,7 +196,7 @@ nixl_status_t FabricEngine<Base>::deregisterMem(nixlBackendMD *meta) noexcept {
         if (!md)
             return NIXL_ERR_INVALID_PARAM;
         this->addTelemetryEvent(nixl_telemetry_event_type_t::AGENT_MEMORY_DEREGISTERED, md->len);
-        const nf_status s = nf_mem_deregister(engine_, md->mem);
+        const nf_status s = nf_mem_deregister(engine_, md->mem());
         delete md; // the agent forgets the MD whatever the result
         return to_nixl(s);
     });
@@ -189,7 +209,7 @@ nixl_status_t FabricEngine<Base>::getPublicData(const nixlBackendMD *meta, std::
         if (!md)
             return NIXL_ERR_INVALID_PARAM;
         Blob blob;
-        const nf_status s = nf_mem_public_data(engine_, md->mem, &blob.b);
+        const nf_status s = nf_mem_public_data(engine_, md->mem(), &blob.b);
         if (s != NF_SUCCESS)
             return to_nixl(s);
         blob.copy_to(str);
@@ -203,15 +223,17 @@ nixl_status_t FabricEngine<Base>::loadRemoteMD(const nixlBlobDesc &input, const 
                                                nixlBackendMD *&output) noexcept {
     return guarded([&] {
         auto md = std::make_unique<TargetMD>();
+        nf_rmem *h = nullptr;
         nf_status s = nf_rmem_load(engine_, remote_agent.c_str(), bytes(input.metaInfo),
-                                   input.metaInfo.size(), &md->rmem);
+                                   input.metaInfo.size(), &h);
         if (s != NF_SUCCESS)
             return to_nixl(s);
+        md->handle = h;
         // The agent's view of the region must match what the descriptor describes.
-        s = nf_rmem_check(md->rmem, input.addr, input.len, static_cast<uint32_t>(mem));
+        s = nf_rmem_check(h, input.addr, input.len, static_cast<uint32_t>(mem));
         if (s != NF_SUCCESS) {
-            nf_rmem_unload(engine_, md->rmem);
-            md->rmem = nullptr;
+            nf_rmem_unload(engine_, h);
+            md->handle = nullptr;
             return to_nixl(s);
         }
         output = md.release();
@@ -226,9 +248,11 @@ nixl_status_t FabricEngine<Base>::loadLocalMD(nixlBackendMD *input, nixlBackendM
         if (!local)
             return NIXL_ERR_INVALID_PARAM;
         auto md = std::make_unique<TargetMD>();
-        const nf_status s = nf_rmem_self(engine_, local->mem, &md->rmem);
+        nf_rmem *h = nullptr;
+        const nf_status s = nf_rmem_self(engine_, local->mem(), &h);
         if (s != NF_SUCCESS)
             return to_nixl(s);
+        md->handle = h;
         output = md.release(); // distinct from input: unloadMD may come after deregisterMem
         return NIXL_SUCCESS;
     });
@@ -242,7 +266,7 @@ nixl_status_t FabricEngine<Base>::unloadMD(nixlBackendMD *input) noexcept {
         const TargetMD *md = as_target(input);
         if (!md)
             return NIXL_ERR_INVALID_PARAM;
-        const nf_status s = nf_rmem_unload(engine_, md->rmem);
+        const nf_status s = nf_rmem_unload(engine_, md->rmem());
         delete md;
         return to_nixl(s);
     });
@@ -292,32 +316,15 @@ nixl_status_t FabricEngine<Base>::prepXfer(const nixl_xfer_op_t &operation, cons
         const size_t n = local.descCount();
         if (remote.descCount() != n)
             return NIXL_ERR_INVALID_PARAM;
-        // Local descriptors name their nf_mem, remote ones their nf_rmem (peer or self MD);
-        // a missing or wrong-kind MD becomes NULL, which nf_request_create refuses.
-        // Kept per thread: fresh lists for 16k descriptors cost page faults on every request
-        // (CPU machine, 16384 x 4 KiB: ~5 % of the create time); lists past 256k are dropped.
-        thread_local std::vector<nf_xfer_desc> l, r;
-        l.resize(n);
-        r.resize(n);
-        struct Trim {
-            ~Trim() {
-                if (l.capacity() > (size_t{1} << 18)) {
-                    std::vector<nf_xfer_desc>().swap(l);
-                    std::vector<nf_xfer_desc>().swap(r);
-                }
-            }
-        } trim;
-        for (size_t i = 0; i < n; ++i) {
-            const nixlMetaDesc &a = local[i];
-            const nixlMetaDesc &b = remote[i];
-            const LocalMD *lm = as_local(a.metadataP);
-            const TargetMD *rm = as_target(b.metadataP);
-            l[i] = nf_xfer_desc{a.addr, a.len, lm ? static_cast<const void *>(lm->mem) : nullptr};
-            r[i] = nf_xfer_desc{b.addr, b.len, rm ? static_cast<const void *>(rm->rmem) : nullptr};
-        }
+        // NIXL's descriptors are nf_meta_desc as they lie (ABI doc §4.3): the engine reads
+        // both lists in place, and each descriptor's metadataP names our MD, whose handle it
+        // reads at handle_offset(). A missing MD, or one of the wrong kind in a list (its
+        // handle is then not of the kind that list needs), is refused there.
+        const auto *l = n ? reinterpret_cast<const nf_meta_desc *>(&local[0]) : nullptr;
+        const auto *r = n ? reinterpret_cast<const nf_meta_desc *>(&remote[0]) : nullptr;
         auto h = std::make_unique<FabricReqH>();
-        const nf_status s = nf_request_create(engine_, static_cast<uint32_t>(operation), l.data(), r.data(),
-                                              n, remote_agent.c_str(), &h->req);
+        const nf_status s = nf_request_create_meta(engine_, static_cast<uint32_t>(operation), l, r, n,
+                                                   AdapterMD::handle_offset(), remote_agent.c_str(), &h->req);
         if (s != NF_SUCCESS)
             return to_nixl(s);
         handle = h.release();

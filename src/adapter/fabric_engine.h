@@ -24,6 +24,13 @@ class AdapterMD : public nixlBackendMD {
     AdapterMD(Kind kind, bool is_private) : nixlBackendMD(is_private), kind_(kind) {}
     Kind kind() const { return kind_; }
 
+    // The nf_mem (Local) or nf_rmem (Target) this MD owns. It sits in the base so that both
+    // kinds hold it at one offset from the nixlBackendMD the agent puts in each descriptor:
+    // prepXfer then hands NIXL's descriptor lists to nf_request_create_meta as they are.
+    void *handle = nullptr;
+    // That offset, in bytes.
+    static size_t handle_offset();
+
   private:
     Kind kind_;
 };
@@ -32,7 +39,7 @@ class AdapterMD : public nixlBackendMD {
 class LocalMD final : public AdapterMD {
   public:
     LocalMD() : AdapterMD(Kind::Local, true) {}
-    nf_mem *mem = nullptr;
+    nf_mem *mem() const { return static_cast<nf_mem *>(handle); }
     uint64_t len = 0;
 };
 
@@ -42,7 +49,7 @@ class LocalMD final : public AdapterMD {
 class TargetMD final : public AdapterMD {
   public:
     TargetMD() : AdapterMD(Kind::Target, false) {}
-    nf_rmem *rmem = nullptr;
+    nf_rmem *rmem() const { return static_cast<nf_rmem *>(handle); }
 };
 
 // From prepXfer: owns an nf_request (freed by releaseReqH once nf_request_release agrees).

@@ -1,7 +1,7 @@
 //! The fence at the C boundary: panics become NF_ERR_UNKNOWN (with a log line), errors
 //! become their status, and pointers are checked before use.
 use crate::error::{Error, Status};
-use std::ffi::{c_char, CStr};
+use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Runs `f`, turning an error into its status (logged once, naming the call) and a panic
@@ -56,6 +56,15 @@ pub fn slice<'a, T>(p: *const T, count: usize, what: &str) -> Result<&'a [T], Er
     }
     // SAFETY: the caller passes `count` readable elements at `p` that live for the call.
     Ok(unsafe { std::slice::from_raw_parts(p, count) })
+}
+
+/// The handle pointer stored at byte `at` of the caller's object `owner`.
+///
+/// # Safety
+/// `owner` points at a live object of the caller's with an aligned pointer at byte `at`.
+pub unsafe fn handle_in(owner: *const c_void, at: usize) -> *const c_void {
+    // SAFETY: the caller's promise above.
+    unsafe { *(owner as *const u8).add(at).cast::<*const c_void>() }
 }
 
 /// Copies `v` NUL-terminated into the caller's `buf` of `cap` bytes, cut to fit (nothing

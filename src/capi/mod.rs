@@ -490,6 +490,7 @@ pub extern "C" fn nf_rmem_unload(engine: *mut nf_engine, rmem: *mut nf_rmem) -> 
 }
 
 /// `last`'s handle if `p` is the pointer it was found for, else `lookup`'s (remembered).
+#[inline(always)]
 fn same_or<'a, T>(last: &mut Option<(*const c_void, &'a T)>, p: *const c_void, lookup: impl FnOnce() -> Result<&'a T, Error>) -> Result<&'a T, Error> {
     match *last {
         Some((q, t)) if q == p => Ok(t),
@@ -507,37 +508,81 @@ fn same_or<'a, T>(last: &mut Option<(*const c_void, &'a T)>, p: *const c_void, l
 #[no_mangle]
 pub extern "C" fn nf_request_create(engine: *mut nf_engine, op: u32, local: *const nf_xfer_desc, remote: *const nf_xfer_desc, count: usize, peer: *const c_char, out_req: *mut *mut nf_request) -> nf_status {
     guard("nf_request_create", || {
-        let e = handle(engine, ENGINE_MAGIC, "engine")?;
-        let o = out(out_req, "out request")?;
-        *o = std::ptr::null_mut();
-        if count == 0 {
-            return Err(Error::InvalidParam("request has no descriptors".into()));
+        let (l, r) = (guard::slice(local, count, "local descriptor list")?, guard::slice(remote, count, "remote descriptor list")?);
+        create(engine, op, count, l.iter().zip(r).map(|(a, b)| ((a.addr, a.len, a.mem), (b.addr, b.len, b.mem))), peer, out_req)
+    })
+}
+
+/// One descriptor laid out as NIXL's own (`nixlMetaDesc`: address, length, device id, and
+/// the pointer to the caller's per-registration object), so that a NIXL adapter hands its
+/// lists over as they are. `owner` holds the descriptor's registration handle (`nf_mem*`
+/// for the local list, `nf_rmem*` for the remote list) at the byte offset given to
+/// `nf_request_create_meta`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct nf_meta_desc {
+    pub addr: u64,
+    pub len: u64,
+    pub dev_id: u64,
+    pub owner: *const c_void,
+}
+
+/// As `nf_request_create`, from lists of `nf_meta_desc`: each descriptor's handle is read
+/// from its `owner` object at byte `handle_at` (aligned to a pointer). Every `owner` must
+/// be NULL (refused) or a live object of the caller's with a handle pointer at that offset;
+/// the handle itself is checked as in `nf_request_create`. Runs of one owner read it once.
+#[no_mangle]
+pub extern "C" fn nf_request_create_meta(engine: *mut nf_engine, op: u32, local: *const nf_meta_desc, remote: *const nf_meta_desc, count: usize, handle_at: usize, peer: *const c_char, out_req: *mut *mut nf_request) -> nf_status {
+    guard("nf_request_create_meta", || {
+        if !handle_at.is_multiple_of(std::mem::align_of::<*const c_void>()) {
+            return Err(Error::InvalidParam(format!("handle offset {handle_at} is not aligned to a pointer")));
         }
         let (l, r) = (guard::slice(local, count, "local descriptor list")?, guard::slice(remote, count, "remote descriptor list")?);
-        let op = match op {
-            0 => engine::Op::Read,
-            1 => engine::Op::Write,
-            x => return Err(Error::InvalidParam(format!("operation {x} is neither READ (0) nor WRITE (1)"))),
+        let (mut lo, mut ro) = ((std::ptr::null(), std::ptr::null()), (std::ptr::null(), std::ptr::null()));
+        let owned = |o: *const c_void, last: &mut (*const c_void, *const c_void)| {
+            if o != last.0 {
+                // SAFETY: non-NULL owners are live objects of the caller's with an aligned
+                // handle pointer at `handle_at` (this function's contract).
+                *last = (o, if o.is_null() { std::ptr::null() } else { unsafe { guard::handle_in(o, handle_at) } });
+            }
+            last.1
         };
-        // Descriptor lists name a few registrations in long runs: a handle is looked up in the
-        // registry when it differs from the previous descriptor's, not once per descriptor;
-        // pairs are read from the caller's lists as the engine needs them, not copied.
-        let (mut last_l, mut last_r) = (None, None);
-        let pairs = l.iter().zip(r).enumerate().map(|(i, (a, b))| {
-            let lm = same_or(&mut last_l, a.mem, || {
-                handle(a.mem as *const nf_mem, MEM_MAGIC, "local descriptor's mem")
-                    .map_err(|_| Error::InvalidParam(format!("local descriptor {i} has no valid registration")))
-            })?;
-            let rm = same_or(&mut last_r, b.mem, || {
-                handle(b.mem as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem")
-                    .map_err(|_| Error::InvalidParam(format!("remote descriptor {i} has no valid target")))
-            })?;
-            Ok(engine::Pair { local: (a.addr, a.len, &lm.mem), remote: (b.addr, b.len, &rm.rmem) })
-        });
-        let req = e.engine.prepare_from(op, count, pairs, cstr(peer, "peer")?)?;
-        *o = registry::publish(Box::new(nf_request { req, release_refused: false }), REQ_MAGIC);
-        ok()
+        create(engine, op, count, l.iter().zip(r).map(move |(a, b)| ((a.addr, a.len, owned(a.owner, &mut lo)), (b.addr, b.len, owned(b.owner, &mut ro)))), peer, out_req)
     })
+}
+
+/// Both create functions' body: `descs` yields `count` pairs of (address, length, handle).
+fn create(engine: *mut nf_engine, op: u32, count: usize, descs: impl Iterator<Item = ((u64, u64, *const c_void), (u64, u64, *const c_void))>,
+          peer: *const c_char, out_req: *mut *mut nf_request) -> Result<Status, Error> {
+    let e = handle(engine, ENGINE_MAGIC, "engine")?;
+    let o = out(out_req, "out request")?;
+    *o = std::ptr::null_mut();
+    if count == 0 {
+        return Err(Error::InvalidParam("request has no descriptors".into()));
+    }
+    let op = match op {
+        0 => engine::Op::Read,
+        1 => engine::Op::Write,
+        x => return Err(Error::InvalidParam(format!("operation {x} is neither READ (0) nor WRITE (1)"))),
+    };
+    // Descriptor lists name a few registrations in long runs: a handle is looked up in the
+    // registry when it differs from the previous descriptor's, not once per descriptor;
+    // pairs are read from the caller's lists as the engine needs them, not copied.
+    let (mut last_l, mut last_r) = (None, None);
+    let pairs = descs.enumerate().map(|(i, (a, b))| {
+        let lm = same_or(&mut last_l, a.2, || {
+            handle(a.2 as *const nf_mem, MEM_MAGIC, "local descriptor's mem")
+                .map_err(|_| Error::InvalidParam(format!("local descriptor {i} has no valid registration")))
+        })?;
+        let rm = same_or(&mut last_r, b.2, || {
+            handle(b.2 as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem")
+                .map_err(|_| Error::InvalidParam(format!("remote descriptor {i} has no valid target")))
+        })?;
+        Ok(engine::Pair { local: (a.0, a.1, &lm.mem), remote: (b.0, b.1, &rm.rmem) })
+    });
+    let req = e.engine.prepare_from(op, count, pairs, cstr(peer, "peer")?)?;
+    *o = registry::publish(Box::new(nf_request { req, release_refused: false }), REQ_MAGIC);
+    ok()
 }
 
 /// Posts (or reposts) a request without blocking. With `has_notif` the message is

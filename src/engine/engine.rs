@@ -503,7 +503,7 @@ impl Engine {
             rr_chunks: &self.rr_chunks,
         };
         let plan = scheduler::plan(&inputs, &target, count, pairs, &Reached(&self.core))?;
-        Ok(Arc::new(Request::new(op, target, plan.segs, plan.locals, plan.remotes, plan.keeps)))
+        Ok(Arc::new(Request::summed(op, target, plan.segs, plan.sum, plan.locals, plan.remotes, plan.keeps)))
     }
 
     /// Posts a request without waiting for it. Returns IN_PROG, or SUCCESS/an error when

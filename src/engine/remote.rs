@@ -34,6 +34,14 @@ impl RemoteMem {
         Ok(())
     }
 
+    /// The registration's first byte and length.
+    pub fn range(&self) -> (u64, u64) {
+        match self {
+            RemoteMem::Peer { desc, .. } => (desc.base, desc.len),
+            RemoteMem::Local(m) => (m.base, m.len),
+        }
+    }
+
     pub fn check(&self, addr: u64, len: u64) -> Result<()> {
         match self {
             RemoteMem::Peer { desc, .. } => check_range(desc.base, desc.len, addr, len, "remote descriptor"),

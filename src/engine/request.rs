@@ -61,6 +61,34 @@ pub enum SegKind {
     Cma { pid: u32 },
 }
 
+/// What a request's segments add up to: their bytes, and the facts about their kinds that
+/// the post path reads (see `Request`'s fields of the same names).
+#[derive(Clone, Copy, Debug)]
+pub struct SegSummary {
+    pub bytes: u64,
+    pub on_rails: bool,
+    pub local_copies: bool,
+}
+
+impl Default for SegSummary {
+    fn default() -> Self {
+        SegSummary { bytes: 0, on_rails: false, local_copies: true }
+    }
+}
+
+impl SegSummary {
+    pub fn add(&mut self, kind: &SegKind, len: u64) {
+        self.bytes += len;
+        self.note(kind);
+    }
+
+    /// The kind's facts without its bytes (segments of one kind in a row need it once).
+    pub fn note(&mut self, kind: &SegKind) {
+        self.on_rails |= matches!(kind.route(), Route::Rma | Route::Staging);
+        self.local_copies &= matches!(kind, SegKind::Cma { .. } | SegKind::Direct { .. } | SegKind::Loopback { .. });
+    }
+}
+
 /// Which transport moves a segment. The scheduler picks it (through the segment's kind);
 /// the driver looks the transport up by it and never names one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -276,16 +304,24 @@ impl ReqState {
 
 impl Request {
     pub fn new(op: Op, target: Target, segs: Vec<Seg>, local: Vec<Arc<LocalMem>>, remote: Vec<Arc<RemoteMem>>, keeps: Vec<Keep>) -> Request {
-        let bytes = segs.iter().map(|s| s.len).sum();
-        let on_rails = segs.iter().any(|s| matches!(s.kind.route(), Route::Rma | Route::Staging));
-        let local_copies = segs.iter().all(|s| matches!(s.kind, SegKind::Cma { .. } | SegKind::Direct { .. } | SegKind::Loopback { .. }));
+        let mut sum = SegSummary::default();
+        for s in &segs {
+            sum.add(&s.kind, s.len);
+        }
+        Request::summed(op, target, segs, sum, local, remote, keeps)
+    }
+
+    /// As `new`, with the segments' summary already tallied (the scheduler does it while
+    /// it appends them: another pass over 16k segments costs more than the tally).
+    pub fn summed(op: Op, target: Target, segs: Vec<Seg>, sum: SegSummary, local: Vec<Arc<LocalMem>>, remote: Vec<Arc<RemoteMem>>,
+                  keeps: Vec<Keep>) -> Request {
         Request {
             op,
             target,
             segs,
-            bytes,
-            on_rails,
-            local_copies,
+            bytes: sum.bytes,
+            on_rails: sum.on_rails,
+            local_copies: sum.local_copies,
             local_post: AtomicBool::new(false),
             status: AtomicI32::new(Status::NF_SUCCESS.code()),
             st: Mutex::new(ReqState {

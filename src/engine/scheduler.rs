@@ -10,7 +10,7 @@ use super::local_peers::Locality;
 use super::peer::{Peer, RoutePair};
 use super::registry::{LocalMem, MemKind};
 use super::remote::RemoteMem;
-use super::request::{seg_list, Route, Seg, SegKind, Target};
+use super::request::{seg_list, Route, Seg, SegKind, SegSummary, Target};
 use super::transport::cma::{POOL_MIN_BYTES, THIS_PROCESS};
 use super::wire::{IpcDesc, MemDesc};
 use crate::config::Config;
@@ -71,6 +71,7 @@ pub struct Plan {
     pub keeps: Vec<Keep>,
     pub locals: Vec<Arc<LocalMem>>,
     pub remotes: Vec<Arc<RemoteMem>>,
+    pub sum: SegSummary,
 }
 
 /// How every descriptor pair between one local and one remote registration moves. Decided
@@ -104,20 +105,87 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
     if count == 0 {
         return Err(Error::InvalidParam("request has no descriptors".into()));
     }
-    let stripe = inp.cfg.striping_threshold.max(1);
     // A request small enough to stay on rail 0 has few descriptors: those are read ahead
-    // to sum their bytes (rail0_request); longer lists are read as they go.
-    let (pairs, small): (Box<dyn Iterator<Item = Result<Pair<'a>>> + '_>, bool) = if count <= RAIL0_MAX_DESCS {
+    // to sum their bytes (rail0_request); longer lists are read as they go, by a loop
+    // made for the caller's own iterator (a boxed one cost a call per descriptor).
+    if count <= RAIL0_MAX_DESCS {
         let v = pairs.collect::<Result<Vec<Pair>>>()?;
         let small = rail0_request(inp, target, &v);
-        (Box::new(v.into_iter().map(Ok)), small)
-    } else {
-        (Box::new(pairs), false)
-    };
+        return plan_pairs(inp, target, count, v.into_iter().map(Ok), small, reach);
+    }
+    plan_pairs(inp, target, count, pairs, false, reach)
+}
+
+/// Same-process host copies go to the CMA transport's pool when the request's host bytes
+/// reach POOL_MIN_BYTES. That total is known only at the end, so the kind is guessed when
+/// the first such descriptor appears (its length times the descriptor count: KV blocks are
+/// one size) and corrected by a pass over the segments only where the guess was wrong.
+#[derive(Default)]
+struct HostPool {
+    guess: Option<bool>,
+    bytes: u64,
+}
+
+impl HostPool {
+    fn kind(&mut self, cfg: &Config, first_len: u64, count: usize) -> SegKind {
+        let pooled = *self.guess.get_or_insert(cfg.cma_copy && first_len.saturating_mul(count as u64) >= POOL_MIN_BYTES);
+        if pooled { SegKind::Cma { pid: THIS_PROCESS } } else { HOST_DIRECT }
+    }
+
+    fn settle(&self, cfg: &Config, segs: &mut [Seg]) {
+        let Some(guess) = self.guess else { return };
+        let pooled = cfg.cma_copy && self.bytes >= POOL_MIN_BYTES;
+        if pooled == guess {
+            return;
+        }
+        for s in segs.iter_mut() {
+            match s.kind {
+                SegKind::Direct { ctx: None, .. } if pooled => s.kind = SegKind::Cma { pid: THIS_PROCESS },
+                SegKind::Cma { pid: THIS_PROCESS } if !pooled => s.kind = HOST_DIRECT,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// The current registration pair's ranges, [start, end] on each side (end = last byte + 1,
+/// with no overflow: a registration ending at the top of the address space is refused by
+/// `check` as well), so that a descriptor's bounds check is four comparisons.
+#[derive(Default)]
+struct Bounds {
+    local: (u64, u64),
+    remote: (u64, u64),
+}
+
+impl Bounds {
+    fn of(lm: &LocalMem, rm: &RemoteMem) -> Bounds {
+        let (rb, rl) = rm.range();
+        let end = |b: u64, l: u64| b.checked_add(l).unwrap_or(0);
+        Bounds { local: (lm.base, end(lm.base, lm.len)), remote: (rb, end(rb, rl)) }
+    }
+
+    #[inline(always)]
+    fn hold(&self, la: u64, ra: u64, len: u64) -> bool {
+        let inside = |(b, e): (u64, u64), a: u64| a >= b && a <= e && len <= e - a;
+        inside(self.local, la) && inside(self.remote, ra)
+    }
+}
+
+/// Host memory of two engines of this process, copied where it is posted.
+const HOST_DIRECT: SegKind = SegKind::Direct { ctx: None, dev: false };
+
+fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterator<Item = Result<Pair<'a>>>, small: bool,
+                  reach: &dyn Reach) -> Result<Plan> {
+    let stripe = inp.cfg.striping_threshold.max(1);
     let mut segs = seg_list(count);
     let mut keeps: Vec<Keep> = Vec::new();
     let mut fill = ChunkFill::default();
     let mut ways = Ways::default();
+    let mut sum = SegSummary::default();
+    let mut pool = HostPool::default();
+    // The current way's kinds are in `sum` once it has added a segment.
+    let mut noted = false;
+    let mut bounds = Bounds::default();
     for (i, p) in pairs.enumerate() {
         let Pair { local: (la, ll, lm), remote: (ra, rl, rm) } = p?;
         // Segments join only within one registration pair: a device copy must not span
@@ -128,7 +196,10 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
             let way = match ways.seen.get(&key) {
                 Some(w) => *w,
                 None => {
-                    let w = resolve(inp, reach, target, (lm, rm), i, &mut keeps)?;
+                    let mut w = resolve(inp, reach, target, (lm, rm), i, &mut keeps)?;
+                    if let Way::SameHost { kind: SegKind::Direct { ctx: None, dev: false }, shift } = w {
+                        w = Way::SameHost { kind: pool.kind(inp.cfg, ll, count), shift };
+                    }
                     ways.seen.insert(key, w);
                     if !ways.locals.iter().any(|x| Arc::ptr_eq(x, lm)) {
                         ways.locals.push(lm.clone());
@@ -140,25 +211,31 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
                 }
             };
             ways.last = Some((key.0, key.1, way));
+            noted = false;
+            bounds = Bounds::of(lm, rm);
         }
         let Some((_, _, way)) = &ways.last else { continue };
         let add = |segs: &mut Vec<Seg>, s: Seg, max: u64| push(segs, s, max, join);
         if ll != rl {
             return Err(Error::InvalidParam(format!("descriptor {i}: local length {ll} != remote length {rl}")));
         }
-        // (The message is built only for a refusal: this runs once per descriptor.)
-        if lm.check(la, ll, "").is_err() {
+        if !bounds.hold(la, ra, ll) {
+            // (The checks that say why run only for a refusal.)
             lm.check(la, ll, &format!("local descriptor {i}"))?;
+            rm.check(ra, rl).map_err(|e| Error::InvalidParam(format!("descriptor {i}: {e}")))?;
         }
-        rm.check(ra, rl).map_err(|e| Error::InvalidParam(format!("descriptor {i}: {e}")))?;
         if ll == 0 {
             continue;
         }
+        sum.bytes += ll;
         match (way, target, &**rm) {
             (Way::Loopback { local, remote }, _, _) => {
                 add(&mut segs, Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::Loopback { local: *local, remote: *remote } }, u64::MAX);
             }
             (Way::SameHost { kind, shift }, _, _) => {
+                if matches!(kind, SegKind::Direct { ctx: None, dev: false } | SegKind::Cma { pid: THIS_PROCESS }) {
+                    pool.bytes += ll;
+                }
                 add(&mut segs, Seg { local: la, len: ll, raddr: ra.wrapping_add(*shift), rkey: 0, desc: 0, rail: 0, rrail: 0, kind: *kind }, u64::MAX);
             }
             (Way::Staged(lstaged), Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
@@ -194,9 +271,16 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
             // resolve() gives Staged and Rma only for a peer's descriptor with a peer target.
             _ => return Err(Error::InvalidParam(format!("descriptor {i} has no route"))),
         }
+        if !noted {
+            // Every segment of one way has the same facts (staging's kinds all ride rails).
+            if let Some(s) = segs.last() {
+                sum.note(&s.kind);
+            }
+            noted = true;
+        }
     }
-    pool_same_process_copies(inp.cfg, &mut segs);
-    Ok(Plan { segs, keeps, locals: ways.locals, remotes: ways.remotes })
+    pool.settle(inp.cfg, &mut segs);
+    Ok(Plan { segs, keeps, locals: ways.locals, remotes: ways.remotes, sum })
 }
 
 /// Appends a segment, or (`join`: the previous descriptor named the same registrations)
@@ -284,19 +368,6 @@ fn rail0_request(inp: &Inputs, target: &Target, pairs: &[Pair]) -> bool {
         && bytes <= inp.cfg.notif_rail0_bytes
         && inp.shapes.first().is_some_and(|s| s.order_saw)
         && peer.route.first().is_some_and(|p| p.rail == 0 && p.rrail == 0)
-}
-
-/// Host-to-host copies between engines of this process: a large request goes over the CMA
-/// transport's copy threads (one memcpy thread reaches about a third of what a 16-core
-/// host's memory does); a small one is copied where it is posted.
-fn pool_same_process_copies(cfg: &Config, segs: &mut [Seg]) {
-    let host = |s: &Seg| matches!(s.kind, SegKind::Direct { ctx: None, .. });
-    let bytes: u64 = segs.iter().filter(|s| host(s)).map(|s| s.len).sum();
-    if cfg.cma_copy && bytes >= POOL_MIN_BYTES {
-        for s in segs.iter_mut().filter(|s| host(s)) {
-            s.kind = SegKind::Cma { pid: THIS_PROCESS };
-        }
-    }
 }
 
 /// The CMA route for a descriptor pair, if it has one: our host memory with a same-host peer
@@ -642,6 +713,45 @@ mod tests {
         let pairs = [Pair { local: (0x10_0000, 4096, &l), remote: (0x900_0000, 4096, &r) }];
         let plan = run(&cfg, 1, &Target::Peer(hp), &pairs, &Nothing(None)).unwrap();
         assert!(matches!(plan.segs[0].kind, SegKind::Cma { pid } if pid == std::process::id()));
+    }
+
+    #[test]
+    fn same_process_host_copies_pool_by_the_request_total_whatever_the_first_block_guessed() {
+        let cfg = Config::defaults();
+        let l = mem(ME, 0x1000_0000, 64 << 20, 1);
+        let sp = peer(2, 1, Locality::SameProcess(std::sync::Weak::new()), false);
+        let theirs = mem(7002, 0x9000_0000, 64 << 20, 1);
+        let r = remote(&sp, 0x9000_0000, 64 << 20, 1);
+        let t = Target::Peer(sp);
+        // (offset, length) per descriptor, both sides at the same offsets, 512 of them
+        let plan_of = |lens: &dyn Fn(u64) -> u64| {
+            let mut off = 0;
+            let pairs: Vec<Pair> = (0..512).map(|i| {
+                let n = lens(i);
+                let p = Pair { local: (0x1000_0000 + off, n, &l), remote: (0x9000_0000 + off, n, &r) };
+                off += n + 64; // gaps: no two blocks join
+                p
+            }).collect();
+            run(&cfg, 1, &t, &pairs, &Nothing(Some(theirs.clone()))).unwrap()
+        };
+        let pooled = |p: &Plan| p.segs.iter().all(|s| matches!(s.kind, SegKind::Cma { pid: THIS_PROCESS }));
+        let direct = |p: &Plan| p.segs.iter().all(|s| matches!(s.kind, SegKind::Direct { ctx: None, dev: false }));
+        // Right guesses: 512 x 8 KiB (4 MiB) pooled, 512 x 1 KiB (512 KiB) copied where posted.
+        assert!(pooled(&plan_of(&|_| 8192)));
+        assert!(direct(&plan_of(&|_| 1024)));
+        // Wrong guesses, corrected: a small first block before large ones, a large first one
+        // before small ones.
+        let p = plan_of(&|i| if i == 0 { 16 } else { 8192 });
+        assert!(pooled(&p) && p.sum.bytes == 16 + 511 * 8192);
+        let p = plan_of(&|i| if i == 0 { 8192 } else { 16 });
+        assert!(direct(&p) && p.sum.bytes == 8192 + 511 * 16);
+        assert!(p.sum.local_copies && !p.sum.on_rails);
+        // A peer over the rails: the summary says so.
+        let rp = peer(3, 1, Locality::Remote, false);
+        let rr = remote(&rp, 0x9000_0000, 64 << 20, 1);
+        let pairs = [Pair { local: (0x1000_0000, 4096, &l), remote: (0x9000_0000, 4096, &rr) }];
+        let p = run(&cfg, 1, &Target::Peer(rp), &pairs, &Nothing(None)).unwrap();
+        assert!(p.sum.on_rails && !p.sum.local_copies && p.sum.bytes == 4096);
     }
 
     #[test]
