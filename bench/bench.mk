@@ -20,6 +20,11 @@
 #   make bench-vllm-dram                             bench/vllm_kv.py over numpy DRAM (the GPU
 #       script's own code path on this machine: 8 layers x 512 blocks, requests 16/64/256);
 #       the real run is the GPU bundle's: RUN_GPU_ONLY=vllm bash .gpu/run-gpu.sh
+#   make bench-notif                                 small transfers over tcp (issue #23,
+#       bench/notif_netns.sh -> notif_latency.py): 4/64 KiB WRITE until the target sees its
+#       notification, WRITE and READ until DONE; ours, UCX tcp and the stock LIBFABRIC plugin,
+#       each with progress threads and without; in a network namespace of its own (root);
+#       bench/results/notif-<date>.json (~2 min)
 #   make bench-smoke                                 both quick, results under build/bench/smoke
 BENCH_ARGS    ?=
 BENCH_TIMEOUT ?= 1200
@@ -30,7 +35,7 @@ VLLM_ARGS     ?=
 # Loopback only, as bench/run.sh (every child of the scripts sets it again)
 BENCH_ENV     := FI_TCP_IFACE=lo FI_SOCKETS_IFACE=lo NIXL_FABRIC_IFACE=lo UCX_NET_DEVICES=lo UCX_MODULES='^ib'
 
-.PHONY: bench bench-descs bench-vllm-dram bench-smoke
+.PHONY: bench bench-descs bench-vllm-dram bench-notif bench-smoke
 
 # matplotlib is needed only for the PNG, so it is installed here and not by `venv` (the test
 # venv's requirements stay as they are). Without it the run still writes the JSON.
@@ -47,6 +52,12 @@ bench-descs: build venv $(VENV)/.matplotlib.ok
 
 bench-vllm-dram: build venv $(VENV)/.matplotlib.ok
 	$(BENCH_ENV) timeout -k 10 900 $(PY) $(ROOT)/bench/vllm_kv.py --mem dram $(VLLM_ARGS)
+
+NOTIF_ARGS ?= --iters 1000
+bench-notif: build venv
+	@mkdir -p $(BUILD)/bench/notif
+	PY=$(PY) timeout -k 10 900 bash $(ROOT)/bench/notif_netns.sh --plugin-dir $(PLUGINS) $(NOTIF_ARGS) \
+	  --logs $(BUILD)/bench/notif --out $(ROOT)/bench/results/notif-$$(date +%F).json
 
 # CI smoke of both scripts (about a minute on 2 cores); not part of `make test`
 bench-smoke: build venv

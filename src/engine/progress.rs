@@ -52,7 +52,9 @@ fn run(core: &Core, driver: &Mutex<Driver>, inbox: &Inbox<Driver>, stop: &Atomic
     let mut quiet = 0u32;
     let mut nap = MIN_NAP_US;
     while !stop.load(Ordering::Acquire) {
-        if core.caller_spinning(CALLER_WINDOW, CALLER_GAP) {
+        // (Not while a task waits for this thread: its caller stopped polling to wait for
+        // it, and the window would keep the thread napping for a millisecond more.)
+        if core.caller_spinning(CALLER_WINDOW, CALLER_GAP) && !inbox.has_items() {
             std::thread::sleep(CALLER_NAP);
             last_work = Instant::now();
             continue;
