@@ -34,7 +34,18 @@
 #   STAGING_TAG=-norail0                      a suffix for this sweep's result names (with an
 #                                             exported NIXL_FABRIC_* knob, an A/B of it)
 #   STAGING_PLUGINS=$B/plugins-old            the plugin directory (an A/B against another build)
-#   vllm, descs and staging run only when named in RUN_GPU_ONLY (benchmarks, not part of a full run).
+#   STAGING_DRAM_KV=1                         after the sweep, the KV patterns DRAM->DRAM over the
+#                                             same rails (agent_ipc.py --dram-only)
+#   STAGING_UCX=1                             after the sweep, UCX (UCX_TLS=tcp,cuda_copy,self)
+#                                             on the same cases in the same run: GPU memory
+#                                             between hosts as UCX moves it over tcp
+#   RUN_GPU_ONLY=notif bash .gpu/run-gpu.sh   small transfers over tcp on lo (notif_latency.py):
+#                                             NOTIF_CONFIGS, NOTIF_ITERS, NOTIF_BUDGET (200 s)
+#   RUN_GPU_ONLY=latsmall bash .gpu/run-gpu.sh  same-host DRAM small-transfer latency, ours
+#                                             (default config) vs UCX, progress off and on
+#                                             (lat_small.py): LATSMALL_SIZES, LATSMALL_N
+#   vllm, descs, staging, notif and latsmall run only when named in RUN_GPU_ONLY (benchmarks,
+#   not part of a full run).
 # Results of the ipc, vmm and dram sections (JSON, PNG, logs) go to $OUT when it is set, else
 # to the bundle (dram: $OUT/dram, vllm: $OUT/vllm, descs: $OUT/descs).
 set -u
@@ -56,6 +67,17 @@ zipfile.ZipFile(sys.argv[1]).extractall("/tmp/nixl/site")
 PY
 }
 export PYTHONPATH=$SITE
+gbps_lines() {   # label, agent_ipc.py JSON: one line per case
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[2]))
+except Exception as e:
+    print(f"{sys.argv[1]}: no result ({e})"); sys.exit(0)
+for r in d["results"]:
+    print(f"{sys.argv[1]:<10} {r['name']:<34} {r.get('gbps') or 0:8.2f} GB/s {'exact' if r['verified'] else 'BAD':>18}")
+PY
+}
 section "host"
 nvidia-smi -L 2>&1 | head -4
 if want unit && [ -x "$B/bin/unit-tests" ]; then
@@ -241,9 +263,13 @@ if named staging; then
   nixl_runtime
   R=${OUT:-$B}/staging; mkdir -p "$R"
   ONLY=${STAGING_ONLY:-"VRAM->VRAM 1x64MiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->DRAM 1x64MiB"}
+  declare -A seen=()
   for cd in ${STAGING_SWEEP:-0:4 4M:4 4M:8 2M:16}; do
     c=${cd%%:*}; d=${cd##*:}
     tag=c${c}-d${d}${STAGING_TAG:-}
+    # a pair named again is a repeat: its results get their own names (-r2, -r3, ...)
+    seen[$tag]=$(( ${seen[$tag]:-0} + 1 ))
+    [ "${seen[$tag]}" -gt 1 ] && tag=$tag-r${seen[$tag]}
     NIXL_FABRIC_LOG=info NIXL_FABRIC_STAGING_CHUNK_SIZE=$c NIXL_FABRIC_STAGING_DEPTH=$d NIXL_PLUGIN_DIR=${STAGING_PLUGINS:-$B/plugins} AGENT_IPC_TOTAL_S=100 \
       timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --only "$ONLY" --json "$R/staging_$tag.json" \
       > "$B/staging_$tag.log" 2>&1 || rc=1
@@ -264,6 +290,45 @@ PY
     grep -m1 "staging pool" "$B/staging_$tag.log" | sed 's/^.*\] //'
     # where the chunks' time went (timing.rs), one line per engine that staged
     grep "staging times" "$B/staging_$tag.log" | sed "s/^.*\] //" | head -12
+  done
+  if [ "${STAGING_DRAM_KV:-0}" = 1 ]; then
+    # The KV patterns DRAM->DRAM over the same rails (the sweep's DRAM row is 64 MiB only)
+    NIXL_FABRIC_LOG=info NIXL_PLUGIN_DIR=${STAGING_PLUGINS:-$B/plugins} AGENT_IPC_TOTAL_S=100 \
+      timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --dram-only \
+      --only "1024x16KiB,4096x4KiB,256x256KiB" --json "$R/staging_dram_kv.json" > "$B/staging_dram_kv.log" 2>&1 || rc=1
+    gbps_lines dram-kv "$R/staging_dram_kv.json"
+  fi
+  if [ "${STAGING_UCX:-0}" = 1 ]; then
+    env -u NIXL_PLUGIN_DIR UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo UCX_MODULES='^ib' AGENT_IPC_TOTAL_S=150 \
+      timeout 180 python3 "$B/agent_ipc.py" --backend UCX --quick --only "$ONLY" --json "$R/staging_ucx.json" \
+      > "$B/staging_ucx.log" 2>&1 || echo "UCX staging comparison: exit $? (see staging_ucx.log)"
+    gbps_lines ucx-tcp "$R/staging_ucx.json"
+  fi
+fi
+if named notif && [ -f "$B/notif_latency.py" ]; then
+  section "small transfers over tcp on lo (notif_latency.py): ours vs UCX tcp, progress threads on and off"
+  nixl_runtime
+  R=${OUT:-$B}/notif; mkdir -p "$R/logs"
+  env -u NIXL_PLUGIN_DIR timeout -k 10 ${NOTIF_BUDGET:-200} python3 "$B/notif_latency.py" \
+    --configs ${NOTIF_CONFIGS:-ours-tcp-noprog,ucx-tcp-noprog,ours-tcp} --iters ${NOTIF_ITERS:-1000} \
+    --plugin-dir "$B/plugins" --logs "$R/logs" --out "$R/notif-gpu-host.json" > "$R/notif.log" 2>&1 || rc=1
+  tail -12 "$R/notif.log"
+fi
+if named latsmall && [ -f "$B/lat_small.py" ]; then
+  section "same-host DRAM, one small transfer at a time (lat_small.py): ours (default config) vs UCX, progress off and on"
+  nixl_runtime
+  R=${OUT:-$B}/latsmall; mkdir -p "$R"
+  for prog in 0 1; do
+    for op in WRITE READ; do
+      for sz in ${LATSMALL_SIZES:-4096 65536 1048576}; do
+        env -u NIXL_FABRIC_SAME_HOST_SHM -u NIXL_FABRIC_PROVIDER NIXL_PLUGIN_DIR="$B/plugins" SZ=$sz N=${LATSMALL_N:-5000} \
+          PROG=$prog OP=$op BK=LIBFABRIC TAG=ours timeout 60 python3 "$B/lat_small.py" 2>/dev/null \
+          | grep -v "NIXL INFO" | tail -1 | tee -a "$R/latsmall.txt"
+        env -u NIXL_PLUGIN_DIR UCX_MODULES='^ib' UCX_NET_DEVICES=lo SZ=$sz N=${LATSMALL_N:-5000} PROG=$prog OP=$op BK=UCX \
+          TAG=ucx timeout 60 python3 "$B/lat_small.py" 2>/dev/null \
+          | grep -v "NIXL INFO" | tail -1 | tee -a "$R/latsmall.txt"
+      done
+    done
   done
 fi
 if want lf2 && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
