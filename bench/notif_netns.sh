@@ -6,7 +6,8 @@
 # pair whose end v0 carries 127.0.0.2/32, and every backend is pinned to it (UCX to lo).
 # libfabric main comes from LFMAIN (default ../shared/tools/lfmain.tar.xz; without it the stock
 # configurations are left out), libcudart from PyPI (nvidia-cuda-runtime-cu12), libcuda is the
-# stand-in of tests/versions (no device: DRAM only). Needs root (unshare -n).
+# stand-in of tests/versions (no device: DRAM only). Needs root (unshare -n); without it, ours
+# and UCX run on lo alone.
 #   bench/notif_netns.sh [notif_latency.py options]     e.g. --iters 1000 --out FILE.json
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -32,6 +33,11 @@ if [ "${NOTIF_IN_NS:-}" != 1 ]; then
     CONFIGS=$STOCK,$CONFIGS
   else
     echo "notif_netns: no $LFMAIN: the stock LIBFABRIC plugin is left out" >&2
+  fi
+  if ! unshare -n true 2>/dev/null; then
+    # Not root (or no user namespaces): ours and UCX on lo only.
+    echo "notif_netns: cannot make a network namespace here; ours and UCX on lo, without the stock plugin" >&2
+    exec "$PY" "$ROOT/bench/notif_latency.py" --configs "${CONFIGS#"$STOCK",}" "$@"
   fi
   exec unshare -n env NOTIF_IN_NS=1 NOTIF_CONFIGS="$CONFIGS" "$0" "$@"
 fi
