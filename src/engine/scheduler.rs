@@ -138,12 +138,9 @@ impl HostPool {
         if pooled == guess {
             return;
         }
-        for s in segs.iter_mut() {
-            match s.kind {
-                SegKind::Direct { ctx: None, .. } if pooled => s.kind = SegKind::Cma { pid: THIS_PROCESS },
-                SegKind::Cma { pid: THIS_PROCESS } if !pooled => s.kind = HOST_DIRECT,
-                _ => {}
-            }
+        let kind = if pooled { SegKind::Cma { pid: THIS_PROCESS } } else { HOST_DIRECT };
+        for s in segs.iter_mut().filter(|s| same_process_host(&s.kind)) {
+            s.kind = kind;
         }
     }
 }
@@ -174,6 +171,12 @@ impl Bounds {
 /// Host memory of two engines of this process, copied where it is posted.
 const HOST_DIRECT: SegKind = SegKind::Direct { ctx: None, dev: false };
 
+/// Host memory of two engines of this process, copied where it is posted (HOST_DIRECT) or
+/// by the CMA pool (only HostPool makes that kind with THIS_PROCESS).
+fn same_process_host(kind: &SegKind) -> bool {
+    matches!(kind, SegKind::Direct { ctx: None, dev: false } | SegKind::Cma { pid: THIS_PROCESS })
+}
+
 fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterator<Item = Result<Pair<'a>>>, small: bool,
                   reach: &dyn Reach) -> Result<Plan> {
     let stripe = inp.cfg.striping_threshold.max(1);
@@ -197,8 +200,10 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Itera
                 Some(w) => *w,
                 None => {
                     let mut w = resolve(inp, reach, target, (lm, rm), i, &mut keeps)?;
-                    if let Way::SameHost { kind: SegKind::Direct { ctx: None, dev: false }, shift } = w {
-                        w = Way::SameHost { kind: pool.kind(inp.cfg, ll, count), shift };
+                    if let Way::SameHost { kind, shift } = w {
+                        if same_process_host(&kind) {
+                            w = Way::SameHost { kind: pool.kind(inp.cfg, ll, count), shift };
+                        }
                     }
                     ways.seen.insert(key, w);
                     if !ways.locals.iter().any(|x| Arc::ptr_eq(x, lm)) {
@@ -233,7 +238,7 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Itera
                 add(&mut segs, Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::Loopback { local: *local, remote: *remote } }, u64::MAX);
             }
             (Way::SameHost { kind, shift }, _, _) => {
-                if matches!(kind, SegKind::Direct { ctx: None, dev: false } | SegKind::Cma { pid: THIS_PROCESS }) {
+                if same_process_host(kind) {
                     pool.bytes += ll;
                 }
                 add(&mut segs, Seg { local: la, len: ll, raddr: ra.wrapping_add(*shift), rkey: 0, desc: 0, rail: 0, rrail: 0, kind: *kind }, u64::MAX);
