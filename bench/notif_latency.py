@@ -53,6 +53,10 @@ def ours(rails=1, **extra):
     return {"backend": "LIBFABRIC", "env": env}
 
 
+# UCX's transports: tcp alone, but where GPUs are present NIXL's UCX backend refuses a UCX_TLS
+# without a CUDA transport (run-gpu.sh passes NOTIF_UCX_TLS=tcp,cuda_copy,self there).
+UCX_TLS = os.environ.get("NOTIF_UCX_TLS", "tcp,self")
+
 CONFIGS = {
     "ours-tcp": ours(),
     "ours-tcp-flush": ours(NIXL_FABRIC_NOTIF_BEHIND_DATA="false"),
@@ -63,9 +67,9 @@ CONFIGS = {
     "ours-tcp-noprog": ours(NIXL_FABRIC_PROGRESS_THREAD="false", BENCH_AGENT_PROG_THREAD="0"),
     "ours-tcp-r4": ours(4),
     "ours-tcp-r4-flush": ours(4, NIXL_FABRIC_NOTIF_BEHIND_DATA="false"),
-    "ucx-tcp": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None, "UCX_TLS": "tcp,self"}},
+    "ucx-tcp": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None, "UCX_TLS": UCX_TLS}},
     # UCX without the agent's progress thread: every poll progresses the worker itself.
-    "ucx-tcp-noprog": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None, "UCX_TLS": "tcp,self",
+    "ucx-tcp-noprog": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None, "UCX_TLS": UCX_TLS,
                                                  "BENCH_AGENT_PROG_THREAD": "0"}},
     "ucx": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None}},
     # STOCK_LD_PATH: where libfabric main, libhwloc, libcudart and a libcuda are (only this

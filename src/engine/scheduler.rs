@@ -62,6 +62,9 @@ pub struct Inputs<'a> {
     pub rr_base: usize,
     /// Round-robin counter of staging chunks over the route's rail pairs.
     pub rr_chunks: &'a std::sync::atomic::AtomicUsize,
+    /// Time the per-registration-pair work (`Plan::resolve_ns`): only for the create-time
+    /// debug line, since a clock read per pair is not free.
+    pub timed: bool,
 }
 
 /// The segments of a request, what its same-host segments keep alive, and the distinct
@@ -72,6 +75,10 @@ pub struct Plan {
     pub locals: Vec<Arc<LocalMem>>,
     pub remotes: Vec<Arc<RemoteMem>>,
     pub sum: SegSummary,
+    /// Registration pairs the request named, and the time spent deciding their ways (with
+    /// `Inputs::timed`; else 0).
+    pub ways: usize,
+    pub resolve_ns: u64,
 }
 
 /// How every descriptor pair between one local and one remote registration moves. Decided
@@ -189,6 +196,7 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Itera
     // The current way's kinds are in `sum` once it has added a segment.
     let mut noted = false;
     let mut bounds = Bounds::default();
+    let mut resolve_ns = 0u64;
     for (i, p) in pairs.enumerate() {
         let Pair { local: (la, ll, lm), remote: (ra, rl, rm) } = p?;
         // Segments join only within one registration pair: a device copy must not span
@@ -199,6 +207,7 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Itera
             let way = match ways.seen.get(&key) {
                 Some(w) => *w,
                 None => {
+                    let t0 = inp.timed.then(std::time::Instant::now);
                     let mut w = resolve(inp, reach, target, (lm, rm), i, &mut keeps)?;
                     if let Way::SameHost { kind, shift } = w {
                         if same_process_host(&kind) {
@@ -206,6 +215,9 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Itera
                         }
                     }
                     ways.seen.insert(key, w);
+                    if let Some(t0) = t0 {
+                        resolve_ns += t0.elapsed().as_nanos() as u64;
+                    }
                     if !ways.locals.iter().any(|x| Arc::ptr_eq(x, lm)) {
                         ways.locals.push(lm.clone());
                     }
@@ -285,7 +297,7 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Itera
         }
     }
     pool.settle(inp.cfg, &mut segs);
-    Ok(Plan { segs, keeps, locals: ways.locals, remotes: ways.remotes, sum })
+    Ok(Plan { segs, keeps, locals: ways.locals, remotes: ways.remotes, sum, ways: ways.seen.len(), resolve_ns })
 }
 
 /// Appends a segment, or (`join`: the previous descriptor named the same registrations)
@@ -565,7 +577,7 @@ mod tests {
     fn run(cfg: &Config, rails: usize, target: &Target, pairs: &[Pair], reach: &dyn Reach) -> Result<Plan> {
         let sh = shapes(rails);
         let rr = AtomicUsize::new(0);
-        plan(&Inputs { engine_id: ME, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr }, target, pairs.len(), pairs.iter().map(|p| Ok(*p)), reach)
+        plan(&Inputs { engine_id: ME, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr, timed: false }, target, pairs.len(), pairs.iter().map(|p| Ok(*p)), reach)
     }
 
     #[test]
@@ -630,7 +642,7 @@ mod tests {
         let rails_of = |plan: &Plan| plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>();
         let plan_at = |sh: &[RailShape], rr: usize, pairs: &[Pair]| {
             let chunks = AtomicUsize::new(0);
-            plan(&Inputs { engine_id: ME, cfg: &cfg, shapes: sh, rr_base: rr, rr_chunks: &chunks }, &Target::Peer(p.clone()), pairs.len(), pairs.iter().map(|p| Ok(*p)), &Nothing(None)).unwrap()
+            plan(&Inputs { engine_id: ME, cfg: &cfg, shapes: sh, rr_base: rr, rr_chunks: &chunks, timed: false }, &Target::Peer(p.clone()), pairs.len(), pairs.iter().map(|p| Ok(*p)), &Nothing(None)).unwrap()
         };
         let mut ordered = shapes(4);
         ordered[0].order_saw = true;
@@ -645,7 +657,7 @@ mod tests {
         let mut off = cfg.clone();
         off.notif_rail0_bytes = 0;
         let chunks = AtomicUsize::new(0);
-        let plan = plan(&Inputs { engine_id: ME, cfg: &off, shapes: &ordered, rr_base: 2, rr_chunks: &chunks }, &Target::Peer(p.clone()), 1, blocks(1, 4096).iter().map(|p| Ok(*p)), &Nothing(None)).unwrap();
+        let plan = plan(&Inputs { engine_id: ME, cfg: &off, shapes: &ordered, rr_base: 2, rr_chunks: &chunks, timed: false }, &Target::Peer(p.clone()), 1, blocks(1, 4096).iter().map(|p| Ok(*p)), &Nothing(None)).unwrap();
         assert_eq!(rails_of(&plan), vec![(2, 2)]);
     }
 

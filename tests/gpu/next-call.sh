@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The device call planned for the open goals of issues #23 and #24, batched into one call of
-# the device tool (its sections are cut at 520 s in all). Build the bundle here
-# (`make gpu-bundle`), then on the device, from the repository root, with .gpu carried:
+# The device call planned for what the last one (2026-12-05, H100) left open, batched into one
+# call of the device tool (sections cut at 540 s in all). Build the bundle here
+# (`make gpu-bundle`, plus `bash tools/build-libfabric2-cuda.sh` for the hmem section), then
+# on the device, from the repository root, with .gpu carried:
 #   OUT=$OUT bash tests/gpu/next-call.sh
-#  1. #24: packed staging with automatic rails, two reps in one run, VRAM next to DRAM over the
-#     same rails (64 MiB and the three KV patterns), and UCX tcp+cuda_copy on the same cases
-#     in the same run.
-#  2. #23: the vLLM pattern (256 and 1024 random blocks): create ns per descriptor and end to
-#     end against UCX, with NIXL's descriptor lists read in place (nf_request_create_meta).
-#  3. #23: small transfers over tcp on lo (ours vs UCX, progress threads on and off, genNotif
-#     ping-pong) and same-host DRAM one at a time (lat_small, progress off and on).
-# Everything goes into $OUT/next-call.tar.xz (few files come back from a call) and the
-# summaries to stdout.
+#  1. #24: provider-registered GPU memory (FI_HMEM) between two processes on the CUDA-enabled
+#     libfabric 2.x, shm and (where it lists FI_HMEM) tcp, against DRAM over the same provider.
+#  2. #23: small transfers over tcp on lo, UCX now with cuda_copy (NIXL's UCX backend refused
+#     tcp,self on a GPU host).
+#  3. #23: the vLLM pattern at 256 blocks with the create-time DEBUG line (where our part of
+#     make_prepped_xfer goes, against the agent's).
+#  4. #24: packed staging on 8 rails, DRAM<->VRAM beside VRAM<->VRAM, DRAM over the same rails.
+# Everything goes into $OUT/next-call.tar.xz and the summaries to stdout.
 set -u
 B=${B:-$(pwd)/.gpu}
 : "${OUT:?set OUT}"
@@ -23,10 +23,12 @@ run() {  # name, seconds, environment...: one run-gpu.sh section, its output kep
   echo "exit $?" >> "$W/$name.txt"
   grep -v "NIXL INFO" "$W/$name.txt" | tail -40
 }
-run staging 180 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4 0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 \
-  STAGING_ONLY="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->DRAM 1x64MiB"
-run vllm 170 RUN_GPU_ONLY=vllm VLLM_BUDGET=130 VLLM_ARGS="--requests 256,1024 --variants random"
-run notif 80 RUN_GPU_ONLY=notif NOTIF_BUDGET=70 NOTIF_ITERS=500
-run latsmall 90 RUN_GPU_ONLY=latsmall LATSMALL_N=3000
+run hmem 200 RUN_GPU_ONLY=hmem HMEM_ONLY="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,DRAM->VRAM 1x64MiB"
+run notif 80 RUN_GPU_ONLY=notif NOTIF_BUDGET=70 NOTIF_ITERS=500 NOTIF_CONFIGS=ours-tcp-noprog,ucx-tcp-noprog,ours-tcp,ucx-tcp
+run vllm 100 RUN_GPU_ONLY=vllm VLLM_BUDGET=70 NIXL_FABRIC_LOG=debug VLLM_ARGS="--requests 256 --variants random --no-gather"
+run staging 150 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_TAG=-r8 NIXL_FABRIC_RAILS=8 \
+  STAGING_ONLY="VRAM->VRAM 1x64MiB,VRAM->VRAM 4096x4KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
+cp "$B"/hmem_*.log "$W/" 2>/dev/null
+grep -h "created a request" "$W"/vllm/logs/*.log > "$W/create-lines.txt" 2>/dev/null
 tar -C "$W" -cJf "$OUT/next-call.tar.xz" .
 ls -la "$OUT"

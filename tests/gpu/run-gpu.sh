@@ -44,7 +44,10 @@
 #   RUN_GPU_ONLY=latsmall bash .gpu/run-gpu.sh  same-host DRAM small-transfer latency, ours
 #                                             (default config) vs UCX, progress off and on
 #                                             (lat_small.py): LATSMALL_SIZES, LATSMALL_N
-#   vllm, descs, staging, notif and latsmall run only when named in RUN_GPU_ONLY (benchmarks,
+#   RUN_GPU_ONLY=hmem bash .gpu/run-gpu.sh    FI_HMEM between two processes on the CUDA-enabled
+#                                             libfabric 2.x (shm, tcp where listed): VRAM vs DRAM
+#                                             over the same provider; HMEM_PROVIDERS, HMEM_ONLY
+#   vllm, descs, staging, notif, latsmall and hmem run only when named in RUN_GPU_ONLY (benchmarks,
 #   not part of a full run).
 # Results of the ipc, vmm and dram sections (JSON, PNG, logs) go to $OUT when it is set, else
 # to the bundle (dram: $OUT/dram, vllm: $OUT/vllm, descs: $OUT/descs).
@@ -76,6 +79,28 @@ except Exception as e:
     print(f"{sys.argv[1]}: no result ({e})"); sys.exit(0)
 for r in d["results"]:
     print(f"{sys.argv[1]:<10} {r['name']:<34} {r.get('gbps') or 0:8.2f} GB/s {'exact' if r['verified'] else 'BAD':>18}")
+PY
+}
+vs_dram() {   # label, agent_ipc.py JSON, optional JSON of DRAM KV patterns: each GPU case
+  # against DRAM->DRAM of the same pattern in the same run (64 MiB, or the KV patterns' file)
+  python3 - "$@" <<'PY'
+import json, sys
+tag, path = sys.argv[1], sys.argv[2]
+try:
+    res = {r["name"]: r for r in json.load(open(path))["results"]}
+except Exception as e:
+    print(f"{tag}: no result ({e})"); sys.exit(0)
+dram = {n: r.get("gbps") for n, r in res.items() if "DRAM->DRAM" in n}
+if len(sys.argv) > 3:
+    try:
+        dram.update({r["name"]: r.get("gbps") for r in json.load(open(sys.argv[3]))["results"]})
+    except Exception:
+        pass
+for n, r in res.items():
+    op, pat = n.split()[0], n.split()[-1]
+    g, base = r.get("gbps"), dram.get(f"{op} DRAM->DRAM {pat}")
+    ratio = f"{g / base:.2f}x DRAM" if g and base and "VRAM" in n else ""
+    print(f"{tag:<10} {n:<34} {g or 0:8.2f} GB/s {ratio:>12} {'exact' if r['verified'] else 'BAD'}")
 PY
 }
 section "host"
@@ -263,6 +288,14 @@ if named staging; then
   nixl_runtime
   R=${OUT:-$B}/staging; mkdir -p "$R"
   ONLY=${STAGING_ONLY:-"VRAM->VRAM 1x64MiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->DRAM 1x64MiB"}
+  if [ "${STAGING_DRAM_KV:-0}" = 1 ]; then
+    # The KV patterns DRAM->DRAM over the same rails, first: each VRAM pattern below is then
+    # set against the same pattern's DRAM rate (the sweep's own DRAM row is 64 MiB only)
+    NIXL_FABRIC_LOG=info NIXL_PLUGIN_DIR=${STAGING_PLUGINS:-$B/plugins} AGENT_IPC_TOTAL_S=100 \
+      timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --dram-only \
+      --only "1024x16KiB,4096x4KiB,256x256KiB" --json "$R/staging_dram_kv${STAGING_TAG:-}.json" > "$B/staging_dram_kv.log" 2>&1 || rc=1
+    gbps_lines dram-kv "$R/staging_dram_kv${STAGING_TAG:-}.json"
+  fi
   declare -A seen=()
   for cd in ${STAGING_SWEEP:-0:4 4M:4 4M:8 2M:16}; do
     c=${cd%%:*}; d=${cd##*:}
@@ -273,31 +306,11 @@ if named staging; then
     NIXL_FABRIC_LOG=info NIXL_FABRIC_STAGING_CHUNK_SIZE=$c NIXL_FABRIC_STAGING_DEPTH=$d NIXL_PLUGIN_DIR=${STAGING_PLUGINS:-$B/plugins} AGENT_IPC_TOTAL_S=100 \
       timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --only "$ONLY" --json "$R/staging_$tag.json" \
       > "$B/staging_$tag.log" 2>&1 || rc=1
-    python3 - "$R/staging_$tag.json" "$tag" <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    print(f"{sys.argv[2]}: no result ({e})"); sys.exit(0)
-res = {r["name"]: r for r in d["results"]}
-dram = {op: (res.get(f"{op} DRAM->DRAM 1x64MiB") or {}).get("gbps") for op in ("WRITE", "READ")}
-for n, r in res.items():
-    op = n.split()[0]
-    g, base = r.get("gbps"), dram.get(op)
-    ratio = f"{g / base:.2f}x DRAM" if g and base and "VRAM" in n else ""
-    print(f"{sys.argv[2]:<10} {n:<34} {g or 0:8.2f} GB/s {ratio:>12} {'exact' if r['verified'] else 'BAD'}")
-PY
+    vs_dram "$tag" "$R/staging_$tag.json" "$R/staging_dram_kv${STAGING_TAG:-}.json"
     grep -m1 "staging pool" "$B/staging_$tag.log" | sed 's/^.*\] //'
     # where the chunks' time went (timing.rs), one line per engine that staged
     grep "staging times" "$B/staging_$tag.log" | sed "s/^.*\] //" | head -12
   done
-  if [ "${STAGING_DRAM_KV:-0}" = 1 ]; then
-    # The KV patterns DRAM->DRAM over the same rails (the sweep's DRAM row is 64 MiB only)
-    NIXL_FABRIC_LOG=info NIXL_PLUGIN_DIR=${STAGING_PLUGINS:-$B/plugins} AGENT_IPC_TOTAL_S=100 \
-      timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --dram-only \
-      --only "1024x16KiB,4096x4KiB,256x256KiB" --json "$R/staging_dram_kv.json" > "$B/staging_dram_kv.log" 2>&1 || rc=1
-    gbps_lines dram-kv "$R/staging_dram_kv.json"
-  fi
   if [ "${STAGING_UCX:-0}" = 1 ]; then
     env -u NIXL_PLUGIN_DIR UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo UCX_MODULES='^ib' AGENT_IPC_TOTAL_S=150 \
       timeout 180 python3 "$B/agent_ipc.py" --backend UCX --quick --only "$ONLY" --json "$R/staging_ucx.json" \
@@ -309,7 +322,8 @@ if named notif && [ -f "$B/notif_latency.py" ]; then
   section "small transfers over tcp on lo (notif_latency.py): ours vs UCX tcp, progress threads on and off"
   nixl_runtime
   R=${OUT:-$B}/notif; mkdir -p "$R/logs"
-  env -u NIXL_PLUGIN_DIR timeout -k 10 ${NOTIF_BUDGET:-200} python3 "$B/notif_latency.py" \
+  # (NIXL's UCX backend refuses UCX_TLS without a CUDA transport on a host with GPUs)
+  env -u NIXL_PLUGIN_DIR NOTIF_UCX_TLS=tcp,cuda_copy,self timeout -k 10 ${NOTIF_BUDGET:-200} python3 "$B/notif_latency.py" \
     --configs ${NOTIF_CONFIGS:-ours-tcp-noprog,ucx-tcp-noprog,ours-tcp} --iters ${NOTIF_ITERS:-1000} \
     --plugin-dir "$B/plugins" --logs "$R/logs" --out "$R/notif-gpu-host.json" > "$R/notif.log" 2>&1 || rc=1
   tail -12 "$R/notif.log"
@@ -329,6 +343,33 @@ if named latsmall && [ -f "$B/lat_small.py" ]; then
           | grep -v "NIXL INFO" | tail -1 | tee -a "$R/latsmall.txt"
       done
     done
+  done
+fi
+if named hmem && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
+  # Provider-registered GPU memory between two processes through the stock agent, on the
+  # CUDA-enabled libfabric 2.x: for each provider that lists FI_HMEM, VRAM registered with it
+  # (vram_registration=hmem: a fallback to staging fails the case) against DRAM over the same
+  # provider in the same run. Same-host paths off, so the bytes take the provider's own path.
+  section "provider-registered GPU memory (FI_HMEM, libfabric 2.x with CUDA), two processes"
+  nixl_runtime
+  rm -rf /tmp/lf2 && mkdir -p /tmp/lf2 && tar xJf "$B/libfabric2-cuda.tar.xz" -C /tmp/lf2
+  D=$(dirname "$(dirname "$(find /tmp/lf2 -name 'libfabric.so.1' | head -1)")")
+  LF="$D/lib:$D/cudart"
+  R=${OUT:-$B}/hmem; mkdir -p "$R"
+  for p in ${HMEM_PROVIDERS:-shm tcp}; do
+    if ! LD_LIBRARY_PATH=$LF "$D/bin/fi_info" -p $p -c FI_HMEM -t FI_EP_RDM 2>&1 | grep -q "provider: $p"; then
+      echo "$p: no FI_HMEM on this libfabric"; continue
+    fi
+    for kind in hmem dram; do
+      only=${HMEM_ONLY:-"VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB"}
+      extra=; [ $kind = dram ] && { extra=--dram-only; only="1x64MiB,1024x16KiB,256x256KiB"; }
+      LD_LIBRARY_PATH=$LF NIXL_FABRIC_PROVIDER=$p NIXL_FABRIC_RAILS=1 NIXL_FABRIC_VRAM_REGISTRATION=hmem NIXL_FABRIC_LOG=info \
+        NIXL_PLUGIN_DIR=$B/plugins AGENT_IPC_TOTAL_S=70 timeout 90 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick \
+        $extra --only "$only" --json "$R/hmem_${p}_$kind.json" > "$B/hmem_${p}_$kind.log" 2>&1 || rc=1
+    done
+    grep -h -m1 -E "GPU memory (is registered|is staged)" "$B/hmem_${p}_hmem.log" | sed 's/^.*\] [a-z0-9-]*: //'
+    vs_dram "$p-hmem" "$R/hmem_${p}_hmem.json" "$R/hmem_${p}_dram.json"
+    gbps_lines "$p-dram" "$R/hmem_${p}_dram.json"
   done
 fi
 if want lf2 && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
