@@ -65,6 +65,10 @@ CONFIGS = {
     # No progress threads anywhere (the C++ API's default): each side drives its own
     # agent from its polls, as ucx-tcp-noprog does.
     "ours-tcp-noprog": ours(NIXL_FABRIC_PROGRESS_THREAD="false", BENCH_AGENT_PROG_THREAD="0"),
+    # ours on the libfabric the stock plugin runs on (STOCK_LD_PATH: libfabric main), to tell
+    # the provider's share of a difference from ours
+    "ours-tcp-noprog-lfmain": ours(NIXL_FABRIC_PROGRESS_THREAD="false", BENCH_AGENT_PROG_THREAD="0", NIXL_FABRIC_CUDA_LIB="/nonexistent",
+                                   LD_LIBRARY_PATH="@stock_ld"),
     "ours-tcp-r4": ours(4),
     "ours-tcp-r4-flush": ours(4, NIXL_FABRIC_NOTIF_BEHIND_DATA="false"),
     "ucx-tcp": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None, "UCX_TLS": UCX_TLS}},

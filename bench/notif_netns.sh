@@ -14,8 +14,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$ROOT/build/stock
 PY=${PY:-$ROOT/.venv/bin/python}
 LFMAIN=${LFMAIN:-$ROOT/../shared/tools/lfmain.tar.xz}
-CONFIGS=ours-tcp-noprog,ucx-tcp-noprog,ours-tcp,ucx-tcp
-STOCK=stock-libfabric-noprog,stock-libfabric
+CONFIGS=${NOTIF_BASE_CONFIGS:-ours-tcp-noprog,ucx-tcp-noprog,ours-tcp,ucx-tcp}
+STOCK=${NOTIF_STOCK_CONFIGS:-stock-libfabric-noprog,stock-libfabric}
 
 if [ "${NOTIF_IN_NS:-}" != 1 ]; then
   mkdir -p "$BUILD"
