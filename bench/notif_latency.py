@@ -43,6 +43,11 @@ SPAN = 1 << 20
 PROG = os.environ.get("BENCH_AGENT_PROG_THREAD", "1") != "0"
 
 
+# No progress threads anywhere (the C++ API's default): each side drives its own agent from
+# its polls.
+NOPROG = {"NIXL_FABRIC_PROGRESS_THREAD": "false", "BENCH_AGENT_PROG_THREAD": "0"}
+
+
 def ours(rails=1, **extra):
     # NOTIF_IFACE: another local interface (the veth of a namespace the stock plugin needs)
     env = {"NIXL_PLUGIN_DIR": "@plugins", "NIXL_FABRIC_PROVIDER": "tcp",
@@ -62,13 +67,11 @@ CONFIGS = {
     "ours-tcp-flush": ours(NIXL_FABRIC_NOTIF_BEHIND_DATA="false"),
     # ours-tcp with another build of the plugin (--before-dir), e.g. the commit before a change
     "ours-tcp-before": ours(NIXL_PLUGIN_DIR="@before"),
-    # No progress threads anywhere (the C++ API's default): each side drives its own
-    # agent from its polls, as ucx-tcp-noprog does.
-    "ours-tcp-noprog": ours(NIXL_FABRIC_PROGRESS_THREAD="false", BENCH_AGENT_PROG_THREAD="0"),
+    # NOPROG, as ucx-tcp-noprog
+    "ours-tcp-noprog": ours(**NOPROG),
     # ours on the libfabric the stock plugin runs on (STOCK_LD_PATH: libfabric main), to tell
     # the provider's share of a difference from ours
-    "ours-tcp-noprog-lfmain": ours(NIXL_FABRIC_PROGRESS_THREAD="false", BENCH_AGENT_PROG_THREAD="0", NIXL_FABRIC_CUDA_LIB="/nonexistent",
-                                   LD_LIBRARY_PATH="@stock_ld"),
+    "ours-tcp-noprog-lfmain": ours(**NOPROG, NIXL_FABRIC_CUDA_LIB="/nonexistent", LD_LIBRARY_PATH="@stock_ld"),
     "ours-tcp-r4": ours(4),
     "ours-tcp-r4-flush": ours(4, NIXL_FABRIC_NOTIF_BEHIND_DATA="false"),
     "ucx-tcp": {"backend": "UCX", "env": {"NIXL_PLUGIN_DIR": None, "UCX_TLS": UCX_TLS}},

@@ -135,8 +135,7 @@ struct HostPool {
 
 impl HostPool {
     fn kind(&mut self, cfg: &Config, first_len: u64, count: usize) -> SegKind {
-        let pooled = *self.guess.get_or_insert(cfg.cma_copy && first_len.saturating_mul(count as u64) >= POOL_MIN_BYTES);
-        if pooled { SegKind::Cma { pid: THIS_PROCESS } } else { HOST_DIRECT }
+        host_kind(*self.guess.get_or_insert(cfg.cma_copy && first_len.saturating_mul(count as u64) >= POOL_MIN_BYTES))
     }
 
     fn settle(&self, cfg: &Config, segs: &mut [Seg]) {
@@ -145,7 +144,7 @@ impl HostPool {
         if pooled == guess {
             return;
         }
-        let kind = if pooled { SegKind::Cma { pid: THIS_PROCESS } } else { HOST_DIRECT };
+        let kind = host_kind(pooled);
         for s in segs.iter_mut().filter(|s| same_process_host(&s.kind)) {
             s.kind = kind;
         }
@@ -177,6 +176,11 @@ impl Bounds {
 
 /// Host memory of two engines of this process, copied where it is posted.
 const HOST_DIRECT: SegKind = SegKind::Direct { ctx: None, dev: false };
+
+/// The kind of a same-process host copy: pooled by CMA's copy threads, or copied where posted.
+fn host_kind(pooled: bool) -> SegKind {
+    if pooled { SegKind::Cma { pid: THIS_PROCESS } } else { HOST_DIRECT }
+}
 
 /// Host memory of two engines of this process, copied where it is posted (HOST_DIRECT) or
 /// by the CMA pool (only HostPool makes that kind with THIS_PROCESS).

@@ -70,19 +70,8 @@ zipfile.ZipFile(sys.argv[1]).extractall("/tmp/nixl/site")
 PY
 }
 export PYTHONPATH=$SITE
-gbps_lines() {   # label, agent_ipc.py JSON: one line per case
-  python3 - "$1" "$2" <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[2]))
-except Exception as e:
-    print(f"{sys.argv[1]}: no result ({e})"); sys.exit(0)
-for r in d["results"]:
-    print(f"{sys.argv[1]:<10} {r['name']:<34} {r.get('gbps') or 0:8.2f} GB/s {'exact' if r['verified'] else 'BAD':>18}")
-PY
-}
-vs_dram() {   # label, agent_ipc.py JSON, optional JSON of DRAM KV patterns: each GPU case
-  # against DRAM->DRAM of the same pattern in the same run (64 MiB, or the KV patterns' file)
+vs_dram() {   # label, agent_ipc.py JSON, optional JSON of DRAM KV patterns: one line per case,
+  # a GPU case against DRAM->DRAM of the same pattern in the same run (from either file)
   python3 - "$@" <<'PY'
 import json, sys
 tag, path = sys.argv[1], sys.argv[2]
@@ -102,6 +91,11 @@ for n, r in res.items():
     ratio = f"{g / base:.2f}x DRAM" if g and base and "VRAM" in n else ""
     print(f"{tag:<10} {n:<34} {g or 0:8.2f} GB/s {ratio:>12} {'exact' if r['verified'] else 'BAD'}")
 PY
+}
+lf2_unpack() {   # the bundle's CUDA-enabled libfabric 2.x into /tmp/lf2: sets D (its prefix) and LF
+  rm -rf /tmp/lf2 && mkdir -p /tmp/lf2 && tar xJf "$B/libfabric2-cuda.tar.xz" -C /tmp/lf2
+  D=$(dirname "$(dirname "$(find /tmp/lf2 -name 'libfabric.so.1' | head -1)")")
+  LF="$D/lib:$D/cudart"
 }
 section "host"
 nvidia-smi -L 2>&1 | head -4
@@ -294,7 +288,7 @@ if named staging; then
     NIXL_FABRIC_LOG=info NIXL_PLUGIN_DIR=${STAGING_PLUGINS:-$B/plugins} AGENT_IPC_TOTAL_S=100 \
       timeout 120 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick --dram-only \
       --only "1024x16KiB,4096x4KiB,256x256KiB" --json "$R/staging_dram_kv${STAGING_TAG:-}.json" > "$B/staging_dram_kv.log" 2>&1 || rc=1
-    gbps_lines dram-kv "$R/staging_dram_kv${STAGING_TAG:-}.json"
+    vs_dram dram-kv "$R/staging_dram_kv${STAGING_TAG:-}.json"
   fi
   declare -A seen=()
   for cd in ${STAGING_SWEEP:-0:4 4M:4 4M:8 2M:16}; do
@@ -315,7 +309,7 @@ if named staging; then
     env -u NIXL_PLUGIN_DIR UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo UCX_MODULES='^ib' AGENT_IPC_TOTAL_S=150 \
       timeout 180 python3 "$B/agent_ipc.py" --backend UCX --quick --only "$ONLY" --json "$R/staging_ucx.json" \
       > "$B/staging_ucx.log" 2>&1 || echo "UCX staging comparison: exit $? (see staging_ucx.log)"
-    gbps_lines ucx-tcp "$R/staging_ucx.json"
+    vs_dram ucx-tcp "$R/staging_ucx.json"
   fi
 fi
 if named notif && [ -f "$B/notif_latency.py" ]; then
@@ -352,9 +346,7 @@ if named hmem && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
   # provider in the same run. Same-host paths off, so the bytes take the provider's own path.
   section "provider-registered GPU memory (FI_HMEM, libfabric 2.x with CUDA), two processes"
   nixl_runtime
-  rm -rf /tmp/lf2 && mkdir -p /tmp/lf2 && tar xJf "$B/libfabric2-cuda.tar.xz" -C /tmp/lf2
-  D=$(dirname "$(dirname "$(find /tmp/lf2 -name 'libfabric.so.1' | head -1)")")
-  LF="$D/lib:$D/cudart"
+  lf2_unpack
   R=${OUT:-$B}/hmem; mkdir -p "$R"
   for p in ${HMEM_PROVIDERS:-shm tcp}; do
     if ! LD_LIBRARY_PATH=$LF "$D/bin/fi_info" -p $p -c FI_HMEM -t FI_EP_RDM 2>&1 | grep -q "provider: $p"; then
@@ -369,14 +361,12 @@ if named hmem && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
     done
     grep -h -m1 -E "GPU memory (is registered|is staged)" "$B/hmem_${p}_hmem.log" | sed 's/^.*\] [a-z0-9-]*: //'
     vs_dram "$p-hmem" "$R/hmem_${p}_hmem.json" "$R/hmem_${p}_dram.json"
-    gbps_lines "$p-dram" "$R/hmem_${p}_dram.json"
+    vs_dram "$p-dram" "$R/hmem_${p}_dram.json"
   done
 fi
 if want lf2 && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
   section "zero-copy path: CUDA-enabled libfabric 2.x"
-  rm -rf /tmp/lf2 && mkdir -p /tmp/lf2 && tar xJf "$B/libfabric2-cuda.tar.xz" -C /tmp/lf2
-  D=$(dirname "$(dirname "$(find /tmp/lf2 -name 'libfabric.so.1' | head -1)")")
-  LF="$D/lib:$D/cudart"
+  lf2_unpack
   LD_LIBRARY_PATH=$LF "$D/bin/fi_info" --version | head -2
   for p in tcp shm; do
     echo "-- $p with FI_HMEM:"; LD_LIBRARY_PATH=$LF "$D/bin/fi_info" -p $p -c FI_HMEM -t FI_EP_RDM 2>&1 | grep -E "provider|fabric|domain|No data" | head -3
