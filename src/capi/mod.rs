@@ -4,12 +4,14 @@
 //! registry, so a NULL, stale or foreign pointer is refused before it is dereferenced.
 #![allow(non_camel_case_types, clippy::missing_safety_doc)]
 
+mod descs;
 mod guard;
 mod registry;
 
 use crate::config::{Config, TUNABLES};
 use crate::engine::{self, Engine, LocalMem, RemoteMem, Request};
 use crate::error::{nf_status, Error, Status};
+use descs::DescPairs;
 use guard::{bytes, cstr, guard, guard_void, ok, out};
 use std::ffi::{c_char, c_void, CString};
 use std::sync::{Arc, OnceLock};
@@ -489,19 +491,6 @@ pub extern "C" fn nf_rmem_unload(engine: *mut nf_engine, rmem: *mut nf_rmem) -> 
     })
 }
 
-/// `last`'s handle if `p` is the pointer it was found for, else `lookup`'s (remembered).
-#[inline(always)]
-fn same_or<'a, T>(last: &mut Option<(*const c_void, &'a T)>, p: *const c_void, lookup: impl FnOnce() -> Result<&'a T, Error>) -> Result<&'a T, Error> {
-    match *last {
-        Some((q, t)) if q == p => Ok(t),
-        _ => {
-            let t = lookup()?;
-            *last = Some((p, t));
-            Ok(t)
-        }
-    }
-}
-
 /// Prepares a request of `count` pairs local[i] <-> remote[i] (equal lengths) with peer
 /// `peer` (our own agent name for loopback). `op` is `nf_op`. Checks every descriptor
 /// against its registration.
@@ -509,7 +498,8 @@ fn same_or<'a, T>(last: &mut Option<(*const c_void, &'a T)>, p: *const c_void, l
 pub extern "C" fn nf_request_create(engine: *mut nf_engine, op: u32, local: *const nf_xfer_desc, remote: *const nf_xfer_desc, count: usize, peer: *const c_char, out_req: *mut *mut nf_request) -> nf_status {
     guard("nf_request_create", || {
         let (l, r) = (guard::slice(local, count, "local descriptor list")?, guard::slice(remote, count, "remote descriptor list")?);
-        create(engine, op, count, l.iter().zip(r).map(|(a, b)| ((a.addr, a.len, a.mem), (b.addr, b.len, b.mem))), peer, out_req)
+        // SAFETY: an nf_xfer_desc's handle is its own field (no offset is read).
+        create(engine, op, count, unsafe { DescPairs::new(l, r, 0) }, peer, out_req)
     })
 }
 
@@ -538,22 +528,15 @@ pub extern "C" fn nf_request_create_meta(engine: *mut nf_engine, op: u32, local:
             return Err(Error::InvalidParam(format!("handle offset {handle_at} is not aligned to a pointer")));
         }
         let (l, r) = (guard::slice(local, count, "local descriptor list")?, guard::slice(remote, count, "remote descriptor list")?);
-        let (mut lo, mut ro) = ((std::ptr::null(), std::ptr::null()), (std::ptr::null(), std::ptr::null()));
-        let owned = |o: *const c_void, last: &mut (*const c_void, *const c_void)| {
-            if o != last.0 {
-                // SAFETY: non-NULL owners are live objects of the caller's with an aligned
-                // handle pointer at `handle_at` (this function's contract).
-                *last = (o, if o.is_null() { std::ptr::null() } else { unsafe { guard::handle_in(o, handle_at) } });
-            }
-            last.1
-        };
-        create(engine, op, count, l.iter().zip(r).map(move |(a, b)| ((a.addr, a.len, owned(a.owner, &mut lo)), (b.addr, b.len, owned(b.owner, &mut ro)))), peer, out_req)
+        // SAFETY: every owner is NULL or a live object with an aligned handle pointer at
+        // `handle_at` (this function's contract; the alignment is checked above).
+        create(engine, op, count, unsafe { DescPairs::new(l, r, handle_at) }, peer, out_req)
     })
 }
 
-/// Both create functions' body: `descs` yields `count` pairs of (address, length, handle).
-fn create(engine: *mut nf_engine, op: u32, count: usize, descs: impl Iterator<Item = ((u64, u64, *const c_void), (u64, u64, *const c_void))>,
-          peer: *const c_char, out_req: *mut *mut nf_request) -> Result<Status, Error> {
+/// Both create functions' body: `pairs` reads the caller's `count` descriptor pairs.
+fn create<'a>(engine: *mut nf_engine, op: u32, count: usize, pairs: impl Iterator<Item = crate::error::Result<engine::Pair<'a>>>,
+              peer: *const c_char, out_req: *mut *mut nf_request) -> Result<Status, Error> {
     let e = handle(engine, ENGINE_MAGIC, "engine")?;
     let o = out(out_req, "out request")?;
     *o = std::ptr::null_mut();
@@ -565,21 +548,6 @@ fn create(engine: *mut nf_engine, op: u32, count: usize, descs: impl Iterator<It
         1 => engine::Op::Write,
         x => return Err(Error::InvalidParam(format!("operation {x} is neither READ (0) nor WRITE (1)"))),
     };
-    // Descriptor lists name a few registrations in long runs: a handle is looked up in the
-    // registry when it differs from the previous descriptor's, not once per descriptor;
-    // pairs are read from the caller's lists as the engine needs them, not copied.
-    let (mut last_l, mut last_r) = (None, None);
-    let pairs = descs.enumerate().map(|(i, (a, b))| {
-        let lm = same_or(&mut last_l, a.2, || {
-            handle(a.2 as *const nf_mem, MEM_MAGIC, "local descriptor's mem")
-                .map_err(|_| Error::InvalidParam(format!("local descriptor {i} has no valid registration")))
-        })?;
-        let rm = same_or(&mut last_r, b.2, || {
-            handle(b.2 as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem")
-                .map_err(|_| Error::InvalidParam(format!("remote descriptor {i} has no valid target")))
-        })?;
-        Ok(engine::Pair { local: (a.0, a.1, &lm.mem), remote: (b.0, b.1, &rm.rmem) })
-    });
     let req = e.engine.prepare_from(op, count, pairs, cstr(peer, "peer")?)?;
     *o = registry::publish(Box::new(nf_request { req, release_refused: false }), REQ_MAGIC);
     ok()
