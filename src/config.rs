@@ -61,6 +61,8 @@ tunables! {
         "requests to a peer over the network rails of at most this many bytes (all descriptors together) go on rail 0, the control endpoint, where a provider that orders a send after writes (FI_ORDER_SAW: tcp, sockets) lets their notification follow the data at once instead of after a flush read's round trip; larger ones, and every one with 0, are spread over the rails";
     notif_behind_data: bool = Bool, "true", "NIXL_FABRIC_NOTIF_BEHIND_DATA",
         "where rail 0 orders a send after writes at both ends (FI_ORDER_SAW: tcp, sockets), a notification whose data all went on rail 0 is sent right behind it, and flush reads right behind the writes on rails the progress thread posts to; off: a notification waits for the flush reads (or delivery-complete writes), and a flush read for its writes' completions";
+    eager_write_bytes: u64 = Size, "8192", "NIXL_FABRIC_EAGER_WRITE_BYTES",
+        "a WRITE of host memory to a peer's host memory over the network rails of at most this many bytes (all descriptors together) goes as one control message carrying its data and its notification, which the target copies in and acknowledges once the bytes are in place: one message each way instead of the writes, the notification and a flush read; 0 turns it off";
     timeout_ms: u64 = U64, "5000", "NIXL_FABRIC_TIMEOUT_MS",
         "a request with no completion for this long fails with NIXL_ERR_REMOTE_DISCONNECT; also bounds every internal wait";
     max_notif_size: u64 = Size, "65536", "NIXL_FABRIC_MAX_NOTIF_SIZE",
@@ -209,6 +211,7 @@ impl Config {
             striping_threshold: 0,
             notif_rail0_bytes: 0,
             notif_behind_data: true,
+            eager_write_bytes: 0,
             timeout_ms: 0,
             max_notif_size: 0,
             ctrl_recv_count: 0,
@@ -306,6 +309,11 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         if self.max_notif_size == 0 || self.max_notif_size > (16 << 20) {
             return Err(Error::InvalidParam("max_notif_size must be 1 B .. 16 MiB".into()));
+        }
+        if self.eager_write_bytes > 65536 {
+            // (Its message must fit a control buffer beside a notification, and providers
+            // send larger messages by rendezvous: a round trip more than the writes.)
+            return Err(Error::InvalidParam("eager_write_bytes must be 0 .. 64 KiB".into()));
         }
         if self.ctrl_recv_count == 0 || self.ctrl_recv_count > 4096 {
             return Err(Error::InvalidParam("ctrl_recv_count must be 1 .. 4096".into()));

@@ -160,7 +160,7 @@ fn rail(p: &str, addr: Vec<u8>) -> RailAddr {
 }
 
 fn conn(engine_id: u64, agent: &str, rails: Vec<RailAddr>) -> ConnInfo {
-    ConnInfo { engine_id, host_id: *b"0123456789abcdef", agent: agent.into(), rails, process: None, rail0_saw: false, packed_staging: false }
+    ConnInfo { engine_id, host_id: *b"0123456789abcdef", agent: agent.into(), rails, process: None, rail0_saw: false, packed_staging: false, eager_write: false }
 }
 
 fn mem(flags: u8, mem_type: u8, base: u64, len: u64, keys: Vec<u64>) -> MemDesc {

@@ -438,7 +438,8 @@ impl Driver {
             while st.next < req.segs.len() {
                 let t = self.route[req.segs[st.next].kind.route() as usize];
                 let (epoch, at) = (st.epoch, st.next);
-                let start = self.transports[t].start(&mut cx!(self), Post { req: &req, epoch, at, marks: &mut st.marks });
+                let s = &mut *st;
+                let start = self.transports[t].start(&mut cx!(self), Post { req: &req, epoch, at, marks: &mut s.marks, notif: &mut s.notif });
                 st.next += start.segs;
                 st.outstanding += start.pieces;
                 st.inflight_total += start.pieces;
@@ -528,6 +529,14 @@ impl Driver {
                 }
                 if st.outstanding == 0 && st.next >= req.segs.len() {
                     self.data_done(req, &mut st);
+                }
+            }
+            // Another message of the post's data (an eager write): its piece ends with the
+            // answer, or after this error (Marks::lost_sends) at its transport's next sweep.
+            Phase::Data => {
+                if let Err(e) = res {
+                    st.error.get_or_insert(e);
+                    st.marks.lost_sends += 1;
                 }
             }
             _ => {}

@@ -6,7 +6,7 @@ use super::inbox::{Inbox, Submit};
 use super::local_peers::Locality;
 use super::request::{Op, Phase, Request, Seg, SegKind, Target};
 use super::transport::fake::{Accepted, Answer, Bench, FakePort};
-use super::transport::{cma, direct, loopback, rma, staging, Transport};
+use super::transport::{cma, direct, eager, loopback, rma, staging, Transport};
 use super::wire::{decode_ctrl, encode_ctrl, CtrlType};
 use crate::error::Status;
 use std::sync::Arc;
@@ -21,6 +21,7 @@ pub(super) fn driver(b: &Bench) -> (Driver, Arc<Inbox<Driver>>) {
             Box::new(direct::Direct::default()),
             Box::new(cma::Cma::new("test", 1)),
             Box::new(loopback::Loopback),
+            Box::new(eager::Eager::default()),
         ])
     })
     .expect("driver over fake rails");
@@ -39,6 +40,7 @@ pub(super) fn post(inbox: &Inbox<Driver>, req: &Arc<Request>, notif: Option<&[u8
         st.flushing = false;
         st.marks.unflushed = 0;
         st.marks.notif_ahead = false;
+        st.marks.lost_sends = 0;
         st.phase = Phase::Data;
         st.last_progress = Instant::now();
     }

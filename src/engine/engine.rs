@@ -131,6 +131,7 @@ impl Engine {
             process: Some(token.info()),
             rail0_saw: rails[0].caps.order_saw,
             packed_staging: true,
+            eager_write: true,
         };
         let shapes = rails.iter().map(|r| RailShape {
             max_msg: r.caps.max_msg_size.max(4096),
@@ -160,6 +161,7 @@ impl Engine {
                 Box::new(transport::direct::Direct::default()),
                 Box::new(transport::cma::Cma::new(name, cma_threads).with_spin(cma_spin)),
                 Box::new(transport::loopback::Loopback),
+                Box::new(transport::eager::Eager::default()),
             ])
         })?;
         let driver = Arc::new(Mutex::new(driver));
@@ -394,7 +396,7 @@ impl Engine {
 
     fn own_info(&self) -> ConnInfo {
         // Our own blob always decodes (we encoded it).
-        ConnInfo::decode(&self.core.conn_info).unwrap_or(ConnInfo { engine_id: 0, host_id: [0; 16], agent: String::new(), rails: Vec::new(), process: None, rail0_saw: false, packed_staging: true })
+        ConnInfo::decode(&self.core.conn_info).unwrap_or(ConnInfo { engine_id: 0, host_id: [0; 16], agent: String::new(), rails: Vec::new(), process: None, rail0_saw: false, packed_staging: true, eager_write: true })
     }
 
     fn peer(&self, name: &str) -> Result<Arc<Peer>> {
@@ -500,6 +502,7 @@ impl Engine {
         }
         let inputs = scheduler::Inputs {
             engine_id: self.core.engine_id,
+            op,
             cfg: &self.core.cfg,
             shapes: &self.shapes,
             rr_base: self.rr.fetch_add(1, Ordering::Relaxed),
@@ -554,6 +557,7 @@ impl Engine {
             st.cancelled = false;
             st.marks.unflushed = 0;
             st.marks.notif_ahead = false;
+            st.marks.lost_sends = 0;
             st.flushing = false;
             st.phase = Phase::Data;
             st.last_progress = Instant::now();

@@ -59,6 +59,9 @@ pub enum SegKind {
     /// A same-host peer process's host memory, reachable by cross-memory attach: copied by
     /// process_vm_writev/readv toward process `pid` (module cma_copy).
     Cma { pid: u32 },
+    /// Our host memory written to a peer's host memory inside a control message (module
+    /// eager): `raddr` is the peer's address, `rkey` its registration's key on rail 0.
+    Put,
 }
 
 /// What a request's segments add up to: their bytes, and the facts about their kinds that
@@ -84,7 +87,7 @@ impl SegSummary {
 
     /// The kind's facts without its bytes (segments of one kind in a row need it once).
     pub fn note(&mut self, kind: &SegKind) {
-        self.on_rails |= matches!(kind.route(), Route::Rma | Route::Staging);
+        self.on_rails |= matches!(kind.route(), Route::Rma | Route::Staging | Route::Eager);
         self.local_copies &= matches!(kind, SegKind::Cma { .. } | SegKind::Direct { .. } | SegKind::Loopback { .. });
     }
 }
@@ -98,10 +101,11 @@ pub enum Route {
     Direct,
     Cma,
     Loopback,
+    Eager,
 }
 
 impl Route {
-    pub const COUNT: usize = 5;
+    pub const COUNT: usize = 6;
 }
 
 impl SegKind {
@@ -112,6 +116,7 @@ impl SegKind {
             SegKind::Direct { .. } | SegKind::PeerCopy { .. } => Route::Direct,
             SegKind::Cma { .. } => Route::Cma,
             SegKind::Loopback { .. } => Route::Loopback,
+            SegKind::Put => Route::Eager,
         }
     }
 }
@@ -166,6 +171,9 @@ pub struct Marks {
     /// The post's notification went out right behind its data (Transport::notif_follows):
     /// its send is one more outstanding piece of the data phase.
     pub notif_ahead: bool,
+    /// Messages carrying this post's data (eager writes) whose send failed: never answered,
+    /// their transport ends them as failed pieces.
+    pub lost_sends: usize,
 }
 
 pub struct Request {

@@ -10,7 +10,7 @@ use super::local_peers::Locality;
 use super::peer::{Peer, RoutePair};
 use super::registry::{LocalMem, MemKind};
 use super::remote::RemoteMem;
-use super::request::{seg_list, Route, Seg, SegKind, SegSummary, Target};
+use super::request::{seg_list, Op, Route, Seg, SegKind, SegSummary, Target};
 use super::transport::cma::{POOL_MIN_BYTES, THIS_PROCESS};
 use super::wire::{IpcDesc, MemDesc};
 use crate::config::Config;
@@ -56,6 +56,7 @@ pub trait Reach {
 /// What a request is planned against.
 pub struct Inputs<'a> {
     pub engine_id: u64,
+    pub op: Op,
     pub cfg: &'a Config,
     pub shapes: &'a [RailShape],
     /// Where this request's contiguous runs start (the engine's round-robin counter).
@@ -118,10 +119,10 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
     // made for the caller's own iterator (a boxed one cost a call per descriptor).
     if count <= RAIL0_MAX_DESCS {
         let v = pairs.collect::<Result<Vec<Pair>>>()?;
-        let small = rail0_request(inp, target, &v);
+        let small = Small { rail0: rail0_request(inp, target, &v), eager: eager_write(inp, target, &v) };
         return plan_pairs(inp, target, count, v.into_iter().map(Ok), small, reach);
     }
-    plan_pairs(inp, target, count, pairs, false, reach)
+    plan_pairs(inp, target, count, pairs, Small::default(), reach)
 }
 
 /// Same-process host copies go to the CMA transport's pool when the request's host bytes
@@ -189,7 +190,7 @@ fn same_process_host(kind: &SegKind) -> bool {
     matches!(kind, SegKind::Direct { ctx: None, dev: false } | SegKind::Cma { pid: THIS_PROCESS })
 }
 
-fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, mut pairs: impl Iterator<Item = Result<Pair<'a>>>, small: bool,
+fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, mut pairs: impl Iterator<Item = Result<Pair<'a>>>, small: Small,
                   reach: &dyn Reach) -> Result<Plan> {
     let mut segs = seg_list(count);
     let mut fill = ChunkFill::default();
@@ -239,8 +240,15 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, mut pairs: impl I
                     staged_segs(inp, &mut segs, &mut fill, local, (ra, desc), lstaged, &peer.route);
                 })?
             }
+            (Way::Rma, Target::Peer(_), RemoteMem::Peer { desc, .. }) if small.eager && lm.kind == MemKind::Dram && lm.dev.is_none() && desc.mem_type == 0 => {
+                let rkey = desc.keys.first().copied().unwrap_or(0);
+                run.each(&mut pairs, first, &mut i, |_, (la, ll, _), (ra, _, _), join| {
+                    sum.bytes += ll;
+                    push(&mut segs, Seg { local: la, len: ll, raddr: ra, rkey, desc: 0, rail: 0, rrail: 0, kind: SegKind::Put }, u64::MAX, join);
+                })?
+            }
             (Way::Rma, Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
-                let spread = Spread { count, small, route: &peer.route };
+                let spread = Spread { count, small: small.rail0, route: &peer.route };
                 run.each(&mut pairs, first, &mut i, |at, local, (ra, _, _), join| {
                     sum.bytes += local.1;
                     rma_segs(inp, &mut segs, &spread, at, local, (ra, desc), join);
@@ -447,8 +455,27 @@ fn resolve(inp: &Inputs, reach: &dyn Reach, target: &Target, mems: (&Arc<LocalMe
     }
 }
 
-/// Most descriptors a request that rail0_request can pick has (64 KiB in blocks of 256 B).
+/// Most descriptors a request that rail0_request or eager_write can pick has (64 KiB in
+/// blocks of 256 B).
 const RAIL0_MAX_DESCS: usize = 256;
+
+/// What a request of few descriptors may take (decided from all of them before planning).
+#[derive(Clone, Copy, Default)]
+struct Small {
+    /// It stays on rail 0 (rail0_request).
+    rail0: bool,
+    /// Its host-to-host writes go in a control message (eager_write).
+    eager: bool,
+}
+
+/// Whether a request's writes between host memories go as a control message carrying their
+/// bytes (transport::eager): a WRITE to a peer that takes them, of at most
+/// `eager_write_bytes` in all.
+fn eager_write(inp: &Inputs, target: &Target, pairs: &[Pair]) -> bool {
+    let Target::Peer(peer) = target else { return false };
+    let bytes: u64 = pairs.iter().map(|p| p.local.1).sum();
+    inp.op == Op::Write && peer.info.eager_write && bytes <= inp.cfg.eager_write_bytes
+}
 
 /// Whether a request stays on the control endpoint pair (our rail 0 to the peer's rail 0)
 /// instead of taking its turn in the round-robin: it is small (config `notif_rail0_bytes`)
@@ -632,6 +659,11 @@ mod tests {
     }
 
     fn peer(id: u64, rails: usize, local: Locality, cma: bool) -> Arc<Peer> {
+        peer_of(id, rails, local, cma, false)
+    }
+
+    /// `peer`, of a build that takes eager writes or not.
+    fn peer_of(id: u64, rails: usize, local: Locality, cma: bool, eager_write: bool) -> Arc<Peer> {
         let info = ConnInfo {
             engine_id: 7000 + id,
             host_id: [1; 16],
@@ -640,6 +672,7 @@ mod tests {
             process: Some(ProcessInfo { pid: std::process::id(), token_addr: 0, token: [0; 16] }),
             rail0_saw: true,
             packed_staging: true,
+            eager_write,
         };
         let route = (0..rails).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
         Arc::new(Peer::new(id, &format!("p{id}"), info, Vec::new(), route, true, cma, local))
@@ -653,7 +686,7 @@ mod tests {
     fn run(cfg: &Config, rails: usize, target: &Target, pairs: &[Pair], reach: &dyn Reach) -> Result<Plan> {
         let sh = shapes(rails);
         let rr = AtomicUsize::new(0);
-        plan(&Inputs { engine_id: ME, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr, timed: false }, target, pairs.len(), pairs.iter().map(|p| Ok(*p)), reach)
+        plan(&Inputs { engine_id: ME, op: Op::Write, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr, timed: false }, target, pairs.len(), pairs.iter().map(|p| Ok(*p)), reach)
     }
 
     #[test]
@@ -713,6 +746,32 @@ mod tests {
     }
 
     #[test]
+    fn small_host_writes_to_a_peer_that_takes_puts_go_in_a_control_message() {
+        let cfg = Config::defaults();
+        let p = peer_of(1, 2, Locality::Remote, false, true);
+        let old = peer(2, 2, Locality::Remote, false);
+        let l = mem(ME, 0x10_0000, 1 << 20, 2);
+        let (r, r_old) = (remote(&p, 0x900_0000, 1 << 20, 2), remote(&old, 0x900_0000, 1 << 20, 2));
+        // n blocks of bs bytes, landing in reverse order (no two join).
+        let plan_of = |op: Op, target: &Arc<Peer>, r: &Arc<RemoteMem>, n: u64, bs: u64| {
+            let ps: Vec<Pair> = (0..n).map(|i| Pair { local: (0x10_0000 + i * bs, bs, &l), remote: (0x900_0000 + (n - i) * bs, bs, r) }).collect();
+            let sh = shapes(2);
+            let rr = AtomicUsize::new(0);
+            plan(&Inputs { engine_id: ME, op, cfg: &cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr, timed: false }, &Target::Peer(target.clone()), ps.len(), ps.iter().map(|p| Ok(*p)), &Nothing(None)).unwrap()
+        };
+        let kinds = |pl: &Plan| pl.segs.iter().map(|s| s.kind.route()).collect::<Vec<_>>();
+        // Two 4 KiB blocks: Puts naming the peer's address and its rail-0 key.
+        let pl = plan_of(Op::Write, &p, &r, 2, 4096);
+        assert_eq!(kinds(&pl), vec![Route::Eager, Route::Eager]);
+        assert_eq!(pl.segs.iter().map(|s| (s.raddr, s.rkey)).collect::<Vec<_>>(), vec![(0x900_0000 + 2 * 4096, 100), (0x900_0000 + 4096, 100)]);
+        assert!(pl.sum.on_rails, "the peer's progress matters: it is kicked");
+        // Past eager_write_bytes, a READ, or a peer of an older build: RMA.
+        assert!(kinds(&plan_of(Op::Write, &p, &r, 3, 4096)).iter().all(|k| *k == Route::Rma));
+        assert!(kinds(&plan_of(Op::Read, &p, &r, 2, 4096)).iter().all(|k| *k == Route::Rma));
+        assert!(kinds(&plan_of(Op::Write, &old, &r_old, 2, 4096)).iter().all(|k| *k == Route::Rma));
+    }
+
+    #[test]
     fn small_requests_stay_on_rail_0_where_it_orders_a_notification_behind_data() {
         let cfg = Config::defaults();
         let p = peer(1, 4, Locality::Remote, false);
@@ -722,7 +781,7 @@ mod tests {
         let rails_of = |plan: &Plan| plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>();
         let plan_at = |sh: &[RailShape], rr: usize, pairs: &[Pair]| {
             let chunks = AtomicUsize::new(0);
-            plan(&Inputs { engine_id: ME, cfg: &cfg, shapes: sh, rr_base: rr, rr_chunks: &chunks, timed: false }, &Target::Peer(p.clone()), pairs.len(), pairs.iter().map(|p| Ok(*p)), &Nothing(None)).unwrap()
+            plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &cfg, shapes: sh, rr_base: rr, rr_chunks: &chunks, timed: false }, &Target::Peer(p.clone()), pairs.len(), pairs.iter().map(|p| Ok(*p)), &Nothing(None)).unwrap()
         };
         let mut ordered = shapes(4);
         ordered[0].order_saw = true;
@@ -737,7 +796,7 @@ mod tests {
         let mut off = cfg.clone();
         off.notif_rail0_bytes = 0;
         let chunks = AtomicUsize::new(0);
-        let plan = plan(&Inputs { engine_id: ME, cfg: &off, shapes: &ordered, rr_base: 2, rr_chunks: &chunks, timed: false }, &Target::Peer(p.clone()), 1, blocks(1, 4096).iter().map(|p| Ok(*p)), &Nothing(None)).unwrap();
+        let plan = plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &off, shapes: &ordered, rr_base: 2, rr_chunks: &chunks, timed: false }, &Target::Peer(p.clone()), 1, blocks(1, 4096).iter().map(|p| Ok(*p)), &Nothing(None)).unwrap();
         assert_eq!(rails_of(&plan), vec![(2, 2)]);
     }
 

@@ -13,6 +13,8 @@ pub const CTRL_VERSION: u8 = 1;
 pub const MAX_RAILS: usize = 64;
 pub const MAX_ADDR_LEN: usize = 1024;
 pub const MAX_NAME_LEN: usize = 4096;
+/// Largest connection info a Put carries (a u16 length on the wire).
+pub const MAX_CONN_INFO: usize = u16::MAX as usize;
 
 /// Little-endian writer for length-prefixed fields.
 #[derive(Default)]
@@ -89,8 +91,11 @@ const CONN_FLAG_RAIL0_SAW: u16 = 2;
 /// Connection-info flag: GPU staging speaks stage requests of STAGE_FORMAT (packed chunks).
 /// Builds before packed staging (format 1) do not set it. No field.
 const CONN_FLAG_PACKED_STAGING: u16 = 4;
+/// Connection-info flag: takes PUT control messages (small writes carried in the message).
+/// No field.
+const CONN_FLAG_EAGER_WRITE: u16 = 8;
 /// The flags a decoder keeps (others are ignored: a newer peer's).
-pub const CONN_FLAGS_KNOWN: u16 = CONN_FLAG_PROCESS | CONN_FLAG_RAIL0_SAW | CONN_FLAG_PACKED_STAGING;
+pub const CONN_FLAGS_KNOWN: u16 = CONN_FLAG_PROCESS | CONN_FLAG_RAIL0_SAW | CONN_FLAG_PACKED_STAGING | CONN_FLAG_EAGER_WRITE;
 
 /// Everything a peer needs to reach an engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,6 +111,8 @@ pub struct ConnInfo {
     /// Its GPU staging speaks our stage format (flags bit 2); false: an older build whose
     /// stage requests ours cannot read, nor it ours.
     pub packed_staging: bool,
+    /// It takes PUT messages (flags bit 3); builds before them do not say so.
+    pub eager_write: bool,
 }
 
 impl ConnInfo {
@@ -113,7 +120,8 @@ impl ConnInfo {
         let mut w = Writer::default();
         let flags = if self.process.is_some() { CONN_FLAG_PROCESS } else { 0 }
             | if self.rail0_saw { CONN_FLAG_RAIL0_SAW } else { 0 }
-            | if self.packed_staging { CONN_FLAG_PACKED_STAGING } else { 0 };
+            | if self.packed_staging { CONN_FLAG_PACKED_STAGING } else { 0 }
+            | if self.eager_write { CONN_FLAG_EAGER_WRITE } else { 0 };
         w.bytes(CONN_MAGIC).u16(CONN_VERSION).u16(flags).u64(self.engine_id).bytes(&self.host_id);
         w.short(self.agent.as_bytes()).u16(self.rails.len() as u16);
         for r in &self.rails {
@@ -160,7 +168,7 @@ impl ConnInfo {
         };
         r.finish()?;
         Ok(ConnInfo { engine_id, host_id, agent, rails, process, rail0_saw: flags & CONN_FLAG_RAIL0_SAW != 0,
-                      packed_staging: flags & CONN_FLAG_PACKED_STAGING != 0 })
+                      packed_staging: flags & CONN_FLAG_PACKED_STAGING != 0, eager_write: flags & CONN_FLAG_EAGER_WRITE != 0 })
     }
 }
 
@@ -384,6 +392,87 @@ pub enum CtrlType {
     Copy = 6,
     /// The answer to a Copy request (payload: [`StageAck`]'s layout: token and status).
     CopyAck = 7,
+    /// A small write carried in the message: the receiver copies its bytes into its host
+    /// memory, then takes the notification it may carry (payload: [`Put`]).
+    Put = 8,
+    /// The answer to a Put once its bytes are in place (payload: [`StageAck`]'s layout).
+    PutAck = 9,
+}
+
+/// A write carried in a control message: `ranges` of (receiver's address, the key of its
+/// registration on rail 0, length), whose bytes follow in order in `data`; the notification
+/// the receiver takes once they are in place, if any; and the sender's connection info, so
+/// that a receiver whose HELLO from it was lost can still answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Put<'a> {
+    pub token: u64,
+    pub notif: Option<&'a [u8]>,
+    pub intro: &'a [u8],
+    pub ranges: Vec<(u64, u64, u32)>,
+    pub data: &'a [u8],
+}
+
+/// Most ranges a Put carries.
+pub const PUT_MAX_RANGES: usize = 4096;
+
+impl<'a> Put<'a> {
+    /// Bytes of a Put with `ranges` ranges, `data` bytes, a notification of `notif` bytes
+    /// and connection info of `intro` bytes.
+    pub const fn encoded_len(ranges: usize, data: usize, notif: usize, intro: usize) -> usize {
+        8 + 1 + 4 + notif + 2 + intro + 2 + 20 * ranges + data
+    }
+
+    /// Encodes the message, the data read by `fill` into its place (`fill` gets a buffer of
+    /// exactly the ranges' bytes).
+    pub fn encode_with(token: u64, notif: Option<&[u8]>, intro: &[u8], ranges: &[(u64, u64, u32)], fill: impl FnOnce(&mut [u8])) -> Vec<u8> {
+        let data: usize = ranges.iter().map(|r| r.2 as usize).sum();
+        let mut w = Writer(Vec::with_capacity(Self::encoded_len(ranges.len(), data, notif.map_or(0, |n| n.len()), intro.len())));
+        w.u64(token);
+        match notif {
+            Some(n) => w.u8(1).u32(n.len() as u32).bytes(n),
+            None => w.u8(0),
+        };
+        w.short(intro);
+        w.u16(ranges.len() as u16);
+        for &(a, k, n) in ranges {
+            w.u64(a).u64(k).u32(n);
+        }
+        let at = w.0.len();
+        w.0.resize(at + data, 0);
+        fill(&mut w.0[at..]);
+        w.0
+    }
+
+    pub fn decode(b: &'a [u8]) -> Result<Put<'a>> {
+        let mut r = Reader::new(b, "put");
+        let token = r.u64("token")?;
+        let notif = match r.u8("notification flag")? {
+            0 => None,
+            1 => {
+                let n = r.u32("notification length")? as usize;
+                Some(r.take(n, "notification")?)
+            }
+            f => return Err(r.err(format!("unknown notification flag {f}"))),
+        };
+        let intro = r.short("connection info", MAX_CONN_INFO)?;
+        let n = r.u16("range count")? as usize;
+        if n == 0 || n > PUT_MAX_RANGES {
+            return Err(r.err(format!("range count {n} not in 1..={PUT_MAX_RANGES}")));
+        }
+        let mut ranges = Vec::with_capacity(n);
+        let mut total = 0usize;
+        for _ in 0..n {
+            let (a, k, len) = (r.u64("address")?, r.u64("key")?, r.u32("length")?);
+            if a.checked_add(len as u64).is_none() {
+                return Err(r.err(format!("range [{a:#x}, +{len}) overflows")));
+            }
+            total += len as usize;
+            ranges.push((a, k, len));
+        }
+        let data = r.take(total, "data")?;
+        r.finish()?;
+        Ok(Put { token, notif, intro, ranges, data })
+    }
 }
 
 /// A copy request to a same-host peer: `ranges` of (sender's address in its allocation,
@@ -579,6 +668,8 @@ pub fn decode_ctrl(buf: &[u8]) -> Result<Ctrl<'_>> {
         5 => CtrlType::Kick,
         6 => CtrlType::Copy,
         7 => CtrlType::CopyAck,
+        8 => CtrlType::Put,
+        9 => CtrlType::PutAck,
         t => return Err(Error::Malformed { what: "control message", why: format!("unknown type {t}") }),
     };
     let sender_id = r.u64("sender id")?;
@@ -605,6 +696,7 @@ mod tests {
             process: Some(ProcessInfo { pid: 42, token_addr: 0x7f00_0000_1000, token: [9; 16] }),
             rail0_saw: true,
             packed_staging: true,
+            eager_write: true,
         }
     }
 
@@ -806,5 +898,24 @@ mod tests {
             let _ = Stage::decode(&buf);
             let _ = StageAck::decode(&buf);
         }
+    }
+
+    #[test]
+    fn a_put_carries_its_bytes_notification_and_introduction_and_refuses_bad_ones() {
+        let ranges = [(0x1000, 7, 3), (0x2000, 7, 2)];
+        let b = Put::encode_with(42, Some(b"done"), b"info", &ranges, |out| out.copy_from_slice(b"abcde"));
+        assert_eq!(b.len(), Put::encoded_len(2, 5, 4, 4));
+        let p = Put::decode(&b).unwrap();
+        assert_eq!((p.token, p.notif, p.intro, p.ranges.as_slice(), p.data), (42, Some(&b"done"[..]), &b"info"[..], &ranges[..], &b"abcde"[..]));
+        let quiet = Put::encode_with(1, None, b"", &ranges[..1], |out| out.copy_from_slice(b"xyz"));
+        assert_eq!(Put::decode(&quiet).unwrap().notif, None);
+        // Cut short, one byte too many, no ranges, a range past the address space.
+        assert!(Put::decode(&b[..b.len() - 1]).is_err());
+        assert!(Put::decode(&[b.as_slice(), &[0]].concat()).is_err());
+        assert!(Put::decode(&Put::encode_with(1, None, b"", &[], |_| {})).is_err());
+        assert!(Put::decode(&Put::encode_with(1, None, b"", &[(u64::MAX - 1, 0, 4)], |_| {})).is_err());
+        let mut bad_flag = b.clone();
+        bad_flag[8] = 9;
+        assert!(Put::decode(&bad_flag).is_err());
     }
 }

@@ -61,7 +61,7 @@ mod tests {
         let mut segs: Vec<Seg> = (0..2u64).map(|i| Seg { local: src.as_ptr() as u64 + i * 4096, len: 4096, raddr: dst.as_mut_ptr() as u64 + i * 4096, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::Loopback { local: None, remote: None } }).collect();
         segs.push(Seg { kind: SegKind::Rma, ..segs[0] });
         let req = Arc::new(Request::new(Op::Write, Target::Local, segs, Vec::new(), Vec::new(), Vec::new()));
-        let s = Loopback.start(&mut b.cx(), super::super::Post { req: &req, epoch: 1, at: 0, marks: &mut Default::default() });
+        let s = Loopback.start(&mut b.cx(), super::super::Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut Default::default() });
         assert_eq!((s.segs, s.pieces), (2, 0));
         assert!(s.stop.is_none());
         assert_eq!(dst, src);

@@ -10,8 +10,11 @@
 //! - `direct`: same-host device memory by CUDA IPC, and engines of this process.
 //! - `cma`: same-host host memory by cross-memory attach, on copy threads.
 //! - `loopback`: requests whose remote side is our own memory.
+//! - `eager`: small writes of host memory carried in a control message with their
+//!   notification, acknowledged once in place.
 pub mod cma;
 pub mod direct;
+pub mod eager;
 pub mod loopback;
 pub mod rma;
 pub mod slab;
@@ -86,6 +89,13 @@ impl Cx<'_> {
         self.out.push(Outcome::Ctrl(CtrlOut { peer_id, dest, bytes, req: None }));
     }
 
+    /// As `ctrl`, a message that carries data of post `epoch` of `req`: a failed send fails
+    /// the post.
+    pub fn ctrl_of(&mut self, peer_id: u64, dest: crate::fabric::FiAddr, kind: super::wire::CtrlType, payload: &[u8], post: (Arc<Request>, u64)) {
+        let bytes = super::wire::encode_ctrl(kind, self.core.engine_id, &self.core.name, payload);
+        self.out.push(Outcome::Ctrl(CtrlOut { peer_id, dest, bytes, req: Some(post) }));
+    }
+
     /// Our control address of an engine that introduced itself.
     pub fn initiator_addr(&mut self, engine_id: u64) -> Option<crate::fabric::FiAddr> {
         let rail0 = self.rails.first()?;
@@ -129,6 +139,9 @@ pub struct Post<'a> {
     /// The first segment to start (segments before it are started or done).
     pub at: usize,
     pub marks: &'a mut Marks,
+    /// The post's notification, not yet sent: a transport that carries it with the post's
+    /// data (after all of it) takes it.
+    pub notif: &'a mut Option<Vec<u8>>,
 }
 
 pub trait Transport: Send {

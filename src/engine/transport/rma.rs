@@ -207,7 +207,7 @@ impl Transport for Rma {
     }
 
     fn start(&mut self, cx: &mut Cx, post: Post) -> Start {
-        let Post { req, epoch, at, marks } = post;
+        let Post { req, epoch, at, marks, .. } = post;
         let peer_id = req.peer_id();
         let Some(conn) = cx.conns.peers.get(&peer_id) else {
             return Start::failed(0, 0, Error::Disconnected("peer was disconnected".into()));

@@ -115,7 +115,7 @@ impl Transport for Cma {
     /// Starts the run of CMA segments from `at` toward one process: cut into pieces, all
     /// but one handed to the copy threads, one copied here. A run of one piece finishes here.
     fn start(&mut self, cx: &mut Cx, post: Post) -> Start {
-        let Post { req, epoch, at, marks } = post;
+        let Post { req, epoch, at, marks, .. } = post;
         let Some(SegKind::Cma { pid }) = req.segs.get(at).map(|s| s.kind) else { return Start::went(0, 0) };
         let end = req.run_end(at, |k| matches!(k, SegKind::Cma { pid: p } if *p == pid));
         // The peer must still be the process we connected to (its pidfd), also for a run

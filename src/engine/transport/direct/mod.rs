@@ -289,7 +289,7 @@ mod tests {
         let segs: Vec<Seg> = (0..3u64).map(|i| Seg { local: 0x7000_0000 + i * 4096, len: 4096, raddr: 0x9000 + i * 4096, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::PeerCopy { alloc: 0x7000_0000 } }).collect();
         let req = req_with(&mut b, Op::Write, segs.clone(), vec![Keep::Export(ipc.clone())]);
         let mut t = Direct::default();
-        let s = t.start(&mut b.cx(), Post { req: &req, epoch: 1, at: 0, marks: &mut Default::default() });
+        let s = t.start(&mut b.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut Default::default() });
         assert_eq!((s.segs, s.pieces), (3, 1), "three ranges in one copy request");
         let sent: Vec<CopyReq> = b.out.drain(..).filter_map(|o| match o {
             Outcome::Ctrl(m) => decode_ctrl(&m.bytes).ok().and_then(|c| CopyReq::decode(c.payload).ok()),
@@ -307,7 +307,7 @@ mod tests {
         assert!(t.on_control(&mut b.cx(), &decode_ctrl(&bytes).unwrap()));
         assert!(b.pieces().is_empty());
         // Refused: the piece fails, and later copies with that peer are staged (refused).
-        t.start(&mut b.cx(), Post { req: &req, epoch: 2, at: 0, marks: &mut Default::default() });
+        t.start(&mut b.cx(), Post { req: &req, epoch: 2, at: 0, notif: &mut None, marks: &mut Default::default() });
         let token = b.out.drain(..).find_map(|o| match o {
             Outcome::Ctrl(m) => decode_ctrl(&m.bytes).ok().and_then(|c| CopyReq::decode(c.payload).ok()).map(|c| c.token),
             _ => None,
@@ -316,7 +316,7 @@ mod tests {
         assert!(b.pieces()[0].res.is_err());
         assert!(b.core.ipc.refused(1001));
         // Never answered: the peer leaves, the piece ends as a disconnect.
-        t.start(&mut b.cx(), Post { req: &req, epoch: 3, at: 0, marks: &mut Default::default() });
+        t.start(&mut b.cx(), Post { req: &req, epoch: 3, at: 0, notif: &mut None, marks: &mut Default::default() });
         assert!(!t.idle());
         t.drop_peer(&mut b.cx(), 1, 1001);
         let p = b.pieces();

@@ -773,7 +773,7 @@ mod tests {
         let peer = init.peer(1, Locality::Remote);
         let info = crate::engine::wire::ConnInfo {
             engine_id: init.core.engine_id, host_id: [3; 16], agent: "init".into(),
-            rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None, rail0_saw: false, packed_staging: true,
+            rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None, rail0_saw: false, packed_staging: true, eager_write: false,
         };
         owner.conns.initiators.insert(init.core.engine_id, Initiator { name: "init".into(), info: Some(info), addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
         Pair { init, owner, ti: Staging::new(1, "test"), to: Staging::new(1, "test"), peer }
@@ -803,7 +803,7 @@ mod tests {
             let (mut next, mut started, mut pieces) = (0, 0, Vec::new());
             for _ in 0..4000 {
                 if next < req.segs.len() {
-                    let s = self.ti.start(&mut self.init.cx(), Post { req, epoch: 1, at: next, marks: &mut marks });
+                    let s = self.ti.start(&mut self.init.cx(), Post { req, epoch: 1, at: next, notif: &mut None, marks: &mut marks });
                     next += s.segs;
                     started += s.pieces;
                     assert!(!matches!(s.stop, Some(super::super::Stop::Failed(_))), "{:?}", s.stop);
@@ -869,7 +869,7 @@ mod tests {
         };
         let pairs: Vec<DescPair> = blocks.iter().map(|&(l, r, n)| DescPair { local: (local.base + l, n, local), remote: (rbase + r, n, remote) }).collect();
         let target = crate::engine::request::Target::Peer(p.peer.clone());
-        let inp = Inputs { engine_id: p.init.core.engine_id, cfg: &p.init.core.cfg, shapes: &shapes, rr_base: 0, rr_chunks: &rr, timed: false };
+        let inp = Inputs { engine_id: p.init.core.engine_id, op: crate::engine::request::Op::Write, cfg: &p.init.core.cfg, shapes: &shapes, rr_base: 0, rr_chunks: &rr, timed: false };
         let pl = plan(&inp, &target, pairs.len(), pairs.iter().map(|p| Ok(*p)), &Remote).expect("plans");
         Arc::new(Request::new(op, target, pl.segs, Vec::new(), Vec::new(), Vec::new()))
     }
@@ -1055,7 +1055,7 @@ mod tests {
         let remote = remote_desc(&p, om.base, om.len, true);
         let req = planned(&p, Op::Write, &bl, &im, &remote);
         let mut marks = Default::default();
-        let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, marks: &mut marks });
+        let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
         assert!(s.pieces > 1);
         for _ in 0..50 {
             p.ti.advance(&mut p.init.cx());
@@ -1077,7 +1077,7 @@ mod tests {
         let tr = remote_desc(&p, theirs.as_mut_ptr() as u64, span, false);
         let req = planned(&p, Op::Write, &bl[..3], &im, &tr);
         p.init.fakes.iter().for_each(|f| f.disorder(false, 1_000_000));
-        let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, marks: &mut marks });
+        let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
         for _ in 0..50 {
             p.ti.advance(&mut p.init.cx());
             std::thread::sleep(std::time::Duration::from_micros(50));
@@ -1118,7 +1118,7 @@ mod tests {
         let remote = remote_desc(&p, om.base, om.len, true);
         let req = planned(&p, Op::Write, &bl, &im, &remote);
         let mut marks = Default::default();
-        let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, marks: &mut marks });
+        let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
         let mut pieces = p.init.pieces();
         for _ in 0..50 {
             p.ti.advance(&mut p.init.cx());
