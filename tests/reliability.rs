@@ -211,6 +211,20 @@ fn dead_peer_with(shm: bool, rails: u32) {
     };
     assert_eq!(s, Status::NF_ERR_REMOTE_DISCONNECT, "late request after the kill");
     assert!(t0.elapsed() <= limit, "late request took {:?}", t0.elapsed());
+    // So does a small one with a notification, which over the network rails is an eager write
+    // (one PUT message, ended by the target's answer that never comes).
+    let t0 = Instant::now();
+    let small = [Pair { local: (src.as_ptr() as u64, 4096, &lm), remote: (v.addr, 4096, &rm) }];
+    let s = match e.prepare(Op::Write, &small, "victim") {
+        Err(err) => err.status(),
+        Ok(r) => match e.post(&r, Some(b"late".to_vec())) {
+            Err(err) => err.status(),
+            Ok(Status::NF_IN_PROG) => wait(&e, &r, limit).0,
+            Ok(s) => s,
+        },
+    };
+    assert_eq!(s, Status::NF_ERR_REMOTE_DISCONNECT, "late small write after the kill");
+    assert!(t0.elapsed() <= limit, "late small write took {:?}", t0.elapsed());
     // The engine keeps serving the healthy peer.
     let ok = write_req(&e, "bystander", (&src, &lm), (obuf.as_ptr() as u64, &orm), 1 << 20, 0);
     assert_eq!(post_wait(&e, &ok, Duration::from_secs(10)), Status::NF_SUCCESS);
