@@ -5,14 +5,16 @@ use super::error::{CudaError, Result};
 use super::sys::*;
 use std::cell::Cell;
 use std::ffi::c_void;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A CUDA context handle (`CUcontext`). Copy, comparable (by handle) and hashable, so a
 /// registration can store it and a set of them can be de-duplicated. It does not own the
 /// context: it stays usable while the context exists, which holds while memory allocated
-/// in it is alive (a registration keeps its memory, hence its context).
+/// in it is alive (a registration keeps its memory, hence its context). Never NULL, so that
+/// an `Option<Context>` is one word (every segment of a request carries one).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Context(CUcontext);
+pub struct Context(NonNull<c_void>);
 
 // SAFETY: a CUcontext is an opaque handle; the driver API accepts it from any thread.
 unsafe impl Send for Context {}
@@ -21,7 +23,7 @@ unsafe impl Sync for Context {}
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Context({:#x})", self.0 as usize)
+        write!(f, "Context({:#x})", self.0.as_ptr() as usize)
     }
 }
 
@@ -51,29 +53,21 @@ impl Context {
     /// `raw` must be a live CUcontext (for example one obtained from the driver by code
     /// outside this crate), and stay live while the returned value is used.
     pub unsafe fn from_raw(raw: *mut c_void) -> Option<Context> {
-        if raw.is_null() {
-            None
-        } else {
-            Some(Context(raw))
-        }
+        NonNull::new(raw).map(Context)
     }
 
     pub(super) fn from_driver(raw: CUcontext) -> Option<Context> {
-        if raw.is_null() {
-            None
-        } else {
-            Some(Context(raw))
-        }
+        NonNull::new(raw).map(Context)
     }
 
     /// The raw handle, for logs or for passing to other CUDA-aware code.
     pub fn as_raw(&self) -> *mut c_void {
-        self.0
+        self.0.as_ptr()
     }
 
     /// The handle as a number (logs, keys).
     pub fn id(&self) -> usize {
-        self.0 as usize
+        self.0.as_ptr() as usize
     }
 
     /// The context current on the calling thread (cuCtxGetCurrent), None when there is none.
@@ -94,13 +88,13 @@ impl Context {
         let mut cur: CUcontext = std::ptr::null_mut();
         // SAFETY: cur is a valid out-pointer for the call's duration.
         d.check("cuCtxGetCurrent", unsafe { (d.f.ctx_get_current)(&mut cur) })?;
-        if cur == self.0 {
-            remember(self.0);
+        if cur == self.0.as_ptr() {
+            remember(self.0.as_ptr());
             return Ok(false);
         }
         // SAFETY: self.0 is a context handle the driver gave us (see the type's contract).
-        d.check("cuCtxSetCurrent", unsafe { (d.f.ctx_set_current)(self.0) })?;
-        remember(self.0);
+        d.check("cuCtxSetCurrent", unsafe { (d.f.ctx_set_current)(self.0.as_ptr()) })?;
+        remember(self.0.as_ptr());
         Ok(true)
     }
 
@@ -113,7 +107,7 @@ impl Context {
     /// code that might switch contexts. On a miss it takes the truthful path.
     pub fn make_current_cached(&self) -> Result<bool> {
         let e = EPOCH.load(Ordering::Relaxed);
-        if LAST_SET.with(|c| c.get()) == (self.0 as usize, e) {
+        if LAST_SET.with(|c| c.get()) == (self.0.as_ptr() as usize, e) {
             return Ok(false);
         }
         self.make_current()
@@ -184,7 +178,7 @@ impl Context {
         let r = unsafe { (d.f.ctx_pop_current)(&mut popped) };
         if let Err(e) = d.check("cuCtxPopCurrent_v2", r) {
             // SAFETY: ctx was created above and is not used after this.
-            unsafe { destroy(ctx.0) };
+            unsafe { destroy(ctx.0.as_ptr()) };
             bump_epoch();
             return Err(e);
         }
@@ -262,7 +256,7 @@ impl Drop for OwnedContext {
         let Ok(d) = Driver::get() else { return };
         if let Some(destroy) = d.f.ctx_destroy {
             // SAFETY: we created this context and own it; the handle is not used again.
-            let r = unsafe { destroy(self.ctx.0) };
+            let r = unsafe { destroy(self.ctx.0.as_ptr()) };
             bump_epoch();
             if let Err(e) = d.check("cuCtxDestroy_v2", r) {
                 log::warn!("{e}");
@@ -280,7 +274,7 @@ pub(super) struct Pushed<'d> {
 impl<'d> Pushed<'d> {
     pub(super) fn new(d: &'d Driver, ctx: Context) -> Result<Pushed<'d>> {
         // SAFETY: ctx is a context handle the driver gave us.
-        d.check("cuCtxPushCurrent_v2", unsafe { (d.f.ctx_push_current)(ctx.0) })?;
+        d.check("cuCtxPushCurrent_v2", unsafe { (d.f.ctx_push_current)(ctx.0.as_ptr()) })?;
         Ok(Pushed { d })
     }
 }

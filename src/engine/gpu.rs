@@ -67,18 +67,18 @@ fn vmm_span_ok(d: &cuda::Driver, ordinal: i32, addr: u64, len: u64) -> bool {
     true
 }
 
-/// Loopback copy where either side may be device memory.
+/// Loopback copy where either side may be device memory (of the context given for it).
 ///
 /// # Safety
 /// Both ranges must be valid for `len` bytes and not touched by anyone else meanwhile.
-pub unsafe fn copy(dst: u64, dst_dev: Option<&DeviceMem>, src: u64, src_dev: Option<&DeviceMem>, len: usize) -> Result<()> {
+pub unsafe fn copy(dst: u64, dst_dev: Option<cuda::Context>, src: u64, src_dev: Option<cuda::Context>, len: usize) -> Result<()> {
     // SAFETY: forwarded from the caller for every branch.
     unsafe {
         match (dst_dev, src_dev) {
             (None, None) => std::ptr::copy(src as *const u8, dst as *mut u8, len),
-            (Some(d), None) => d.ctx.copy_htod(dst, std::slice::from_raw_parts(src as *const u8, len))?,
-            (None, Some(s)) => s.ctx.copy_dtoh(std::slice::from_raw_parts_mut(dst as *mut u8, len), src)?,
-            (Some(d), Some(_)) => d.ctx.copy_dtod(dst, src, len)?,
+            (Some(d), None) => d.copy_htod(dst, std::slice::from_raw_parts(src as *const u8, len))?,
+            (None, Some(s)) => s.copy_dtoh(std::slice::from_raw_parts_mut(dst as *mut u8, len), src)?,
+            (Some(d), Some(_)) => d.copy_dtod(dst, src, len)?,
         }
     }
     Ok(())

@@ -32,6 +32,10 @@ pub struct Seg {
     pub kind: SegKind,
 }
 
+// A request is planned by writing one segment per descriptor, mostly into memory the last
+// transfer left cold (vLLM pattern on the CPU VM: 80 -> 72 bytes made the plan ~9 % faster).
+const _: () = assert!(std::mem::size_of::<Seg>() <= 72);
+
 /// How a segment's bytes move (DESIGN, "GPU memory without FI_HMEM").
 #[derive(Clone, Copy, Debug)]
 pub enum SegKind {
@@ -47,7 +51,8 @@ pub enum SegKind {
     DevToDev { ctx: crate::cuda::Context },
     /// Loopback: both sides are our own memory (copied here; through the CUDA driver where
     /// either side is device memory).
-    Loopback { local: Option<super::gpu::DeviceMem>, remote: Option<super::gpu::DeviceMem> },
+    /// `local`/`remote`: the context of that side's device memory (None: host memory).
+    Loopback { local: Option<crate::cuda::Context>, remote: Option<crate::cuda::Context> },
     /// A same-host peer's memory addressable here (`raddr` is an address of this process):
     /// one copy by the initiator, on the GPU under `ctx`, or memcpy where both sides are
     /// host memory (module direct). `dev`: both ends are device memory, so a kernel may

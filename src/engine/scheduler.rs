@@ -218,7 +218,7 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, mut pairs: impl I
         let before = segs.len();
         next = match (way, target, &**rm) {
             (Way::Loopback { local, remote }, _, _) => {
-                let kind = SegKind::Loopback { local, remote };
+                let kind = SegKind::Loopback { local: local.map(|d| d.ctx), remote: remote.map(|d| d.ctx) };
                 run.each(&mut pairs, first, &mut i, |_, (la, ll, _), (ra, _, _), join| {
                     sum.bytes += ll;
                     push(&mut segs, Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0, kind }, u64::MAX, join);

@@ -30,7 +30,7 @@ impl Transport for Loopback {
             let (sdev, ddev) = if req.op == Op::Write { (local, remote) } else { (remote, local) };
             // SAFETY: both ranges were bounds-checked at preparation against live
             // registrations that the request keeps alive; `copy` tolerates overlap.
-            if let Err(e) = unsafe { crate::engine::gpu::copy(dst, ddev.as_ref(), src, sdev.as_ref(), s.len as usize) } {
+            if let Err(e) = unsafe { crate::engine::gpu::copy(dst, ddev, src, sdev, s.len as usize) } {
                 return Start::failed(i - at, 0, e);
             }
             bytes += s.len;
