@@ -62,7 +62,7 @@ tunables! {
     notif_behind_data: bool = Bool, "true", "NIXL_FABRIC_NOTIF_BEHIND_DATA",
         "where rail 0 orders a send after writes at both ends (FI_ORDER_SAW: tcp, sockets), a notification whose data all went on rail 0 is sent right behind it, and flush reads right behind the writes on rails the progress thread posts to; off: a notification waits for the flush reads (or delivery-complete writes), and a flush read for its writes' completions";
     eager_write_bytes: u64 = Size, "8192", "NIXL_FABRIC_EAGER_WRITE_BYTES",
-        "a WRITE of host memory to a peer's host memory over the network rails of at most this many bytes (all descriptors together) goes as one control message carrying its data and its notification, which the target copies in and acknowledges once the bytes are in place: one message each way instead of the writes, the notification and a flush read; 0 turns it off";
+        "a WRITE of host memory to a peer's host memory over the network rails of at most this many bytes (all descriptors together, and no more than max_notif_size) goes as one control message carrying its data and its notification, which the target copies in and acknowledges once the bytes are in place: one message each way instead of the writes, the notification and a flush read; 0 turns it off";
     timeout_ms: u64 = U64, "5000", "NIXL_FABRIC_TIMEOUT_MS",
         "a request with no completion for this long fails with NIXL_ERR_REMOTE_DISCONNECT; also bounds every internal wait";
     max_notif_size: u64 = Size, "65536", "NIXL_FABRIC_MAX_NOTIF_SIZE",

@@ -197,3 +197,54 @@ fn without_faults_every_small_write_goes_behind_its_data() {
         assert_eq!(t.ordered, 30, "{provider}: the 30 small rounds (3 of 4 shapes) go behind their data: {t:?}");
     }
 }
+
+/// A small write whose notification does not fit one control message with its bytes (256
+/// blocks of 16 B, a notification of 4000 B, control buffers sized for 4 KiB notifications):
+/// its bytes go as an eager write and the notification after the answer, still only with
+/// every byte in place.
+#[test]
+fn a_notification_too_large_for_the_put_follows_its_answer() {
+    let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    nixl_fabric::logging::init();
+    let mut c = cfg("tcp", 1, "");
+    c.set("max_notif_size", "4096").unwrap();
+    let a = Engine::new("a", c.clone()).unwrap();
+    let b = Engine::new("b", c).unwrap();
+    a.load_conn_info("b", b.conn_info()).unwrap();
+    b.load_conn_info("a", a.conn_info()).unwrap();
+    let local: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8 | 1).collect();
+    let remote = vec![0u8; 8192];
+    let ml = a.register(local.as_ptr() as u64, 8192, MemKind::Dram, 0).unwrap();
+    let mr = b.register(remote.as_ptr() as u64, 8192, MemKind::Dram, 0).unwrap();
+    let rd = a.load_remote("b", &b.public_data(&mr).unwrap()).unwrap();
+    // Every other 16-byte block, so that none join.
+    let pairs: Vec<Pair> = (0..256u64).map(|k| Pair { local: (local.as_ptr() as u64 + 32 * k, 16, &ml), remote: (remote.as_ptr() as u64 + 32 * k, 16, &rd) }).collect();
+    let req = a.prepare(Op::Write, &pairs, "b").unwrap();
+    let msg = vec![b'n'; 4000];
+    let mut s = a.post(&req, Some(msg.clone())).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while s == Status::NF_IN_PROG {
+        assert!(Instant::now() < deadline, "never ended");
+        s = a.check(&req);
+    }
+    assert_eq!(s, Status::NF_SUCCESS);
+    let mut got = Vec::new();
+    while got.is_empty() {
+        assert!(Instant::now() < deadline, "no notification");
+        b.progress();
+        got = b.take_notifs();
+    }
+    assert_eq!(got, vec![("a".to_string(), msg)]);
+    for k in 0..256usize {
+        assert_eq!(&remote[32 * k..32 * k + 16], &local[32 * k..32 * k + 16], "block {k}");
+        assert!(remote[32 * k + 16..32 * k + 32].iter().all(|&x| x == 0), "gap after block {k} written");
+    }
+    // One PUT carried the 256 blocks (RMA would have taken 64 operations and a flush read),
+    // and the notification went on its own.
+    let c = a.counters();
+    assert_eq!((c.ops_completed, c.bytes_written, c.notifs_ordered), (1, 4096, 0), "{c:?}");
+    assert!(a.release(&req));
+    drop((ml, mr, rd));
+    a.shutdown();
+    b.shutdown();
+}

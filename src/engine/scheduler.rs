@@ -470,11 +470,12 @@ struct Small {
 
 /// Whether a request's writes between host memories go as a control message carrying their
 /// bytes (transport::eager): a WRITE to a peer that takes them, of at most
-/// `eager_write_bytes` in all.
+/// `eager_write_bytes` in all, and no more than a notification may be (a control buffer holds
+/// a notification of max_notif_size and 8 KiB more, so any block of it fits one message).
 fn eager_write(inp: &Inputs, target: &Target, pairs: &[Pair]) -> bool {
     let Target::Peer(peer) = target else { return false };
     let bytes: u64 = pairs.iter().map(|p| p.local.1).sum();
-    inp.op == Op::Write && peer.info.eager_write && bytes <= inp.cfg.eager_write_bytes
+    inp.op == Op::Write && peer.info.eager_write && bytes <= inp.cfg.eager_write_bytes.min(inp.cfg.max_notif_size)
 }
 
 /// Whether a request stays on the control endpoint pair (our rail 0 to the peer's rail 0)

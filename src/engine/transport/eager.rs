@@ -35,31 +35,48 @@ pub struct Eager {
 }
 
 impl Eager {
-    /// Sends the run of Put segments `at..end` of `req`, with the post's notification where
-    /// the run is the whole request and one message holds both. Returns the pieces started.
+    /// Sends the run of Put segments `at..end` of `req`: one message with the post's
+    /// notification where the run is the whole request and one control buffer holds both,
+    /// else as many messages as the buffers need, without it (the driver sends it after
+    /// their answers). Returns the pieces started.
     fn send(&mut self, cx: &mut Cx, post: &mut Post, end: usize) -> Result<usize> {
         let req = post.req;
         let peer = req.peer().cloned().ok_or_else(|| Error::Backend("eager write without a peer".into()))?;
         let dest = cx.conns.ctrl_addr(peer.id)?;
         let segs = &req.segs[post.at..end];
-        let ranges: Vec<(u64, u64, u32)> = segs.iter().map(|s| (s.raddr, s.rkey, s.len as u32)).collect();
-        let bytes: u64 = segs.iter().map(|s| s.len).sum();
+        let room = cx.ctrl_room;
+        let largest = segs.iter().map(|s| s.len as usize).max().unwrap_or(0);
+        // Our introduction rides along where a message of the largest segment still fits
+        // with it (a connection info of many rails may not; the peer then needs our HELLO).
+        let intro: &[u8] = if Put::encoded_len(1, largest, 0, cx.core.conn_info.len()) <= room { &cx.core.conn_info } else { &[] };
+        if Put::encoded_len(1, largest, 0, intro.len()) > room {
+            return Err(Error::InvalidParam(format!(
+                "a {largest}-byte block does not fit a control message ({room} bytes): lower eager_write_bytes or raise max_notif_size")));
+        }
+        let bytes: usize = segs.iter().map(|s| s.len as usize).sum();
         let whole = post.at == 0 && end == req.segs.len();
-        let intro = &cx.core.conn_info;
-        let fits = |notif: usize| Put::encoded_len(ranges.len(), bytes as usize, notif, intro.len()) <= cx.ctrl_room;
         let notif = match post.notif.as_ref() {
-            Some(n) if whole && fits(n.len()) => post.notif.take(),
+            Some(n) if whole && Put::encoded_len(segs.len(), bytes, n.len(), intro.len()) <= room => post.notif.take(),
             _ => None,
         };
         let mut pieces = 0;
-        // (The scheduler keeps a request this route takes within eager_write_bytes, which
-        // fits a control buffer; the split is for a buffer configured smaller.)
-        let per_msg = if fits(0) { ranges.len() } else { 1 };
-        for (chunk, part) in ranges.chunks(per_msg).zip(segs.chunks(per_msg)) {
+        let mut rest = segs;
+        while !rest.is_empty() {
+            // As many segments as one message holds (all of them, with the defaults).
+            let mut take = 0;
+            let mut n = 0usize;
+            while take < rest.len() && Put::encoded_len(take + 1, n + rest[take].len as usize, notif.as_ref().map_or(0, |m| m.len()), intro.len()) <= room {
+                n += rest[take].len as usize;
+                take += 1;
+            }
+            let take = take.max(1);
+            let (part, later) = rest.split_at(take);
+            rest = later;
+            let carried = notif.is_some();
+            let ranges: Vec<(u64, u64, u32)> = part.iter().map(|s| (s.raddr, s.rkey, s.len as u32)).collect();
             let n: u64 = part.iter().map(|s| s.len).sum();
-            let carried = notif.is_some() && pieces == 0 && per_msg == ranges.len();
             let token = self.asked.insert(Asked { req: req.clone(), epoch: post.epoch, bytes: n, peer_id: peer.id, notif: carried });
-            let msg = Put::encode_with(token, if carried { notif.as_deref() } else { None }, intro, chunk, |out| {
+            let msg = Put::encode_with(token, notif.as_deref(), intro, &ranges, |out| {
                 let mut off = 0;
                 for s in part {
                     let len = s.len as usize;
