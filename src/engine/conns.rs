@@ -185,6 +185,11 @@ impl Conns {
         Some(CtrlOut { peer_id, dest, bytes: wire::encode_ctrl(CtrlType::Kick, core.engine_id, &core.name, &[]), req: None })
     }
 
+    /// Whether engine `engine_id` introduced itself (its HELLO came).
+    pub fn introduced(&self, engine_id: u64) -> bool {
+        self.initiators.contains_key(&engine_id)
+    }
+
     /// An engine introduced itself (HELLO): remembered, with a pidfd on its process when it
     /// shares our host (`host`).
     pub fn introduce(&mut self, msg: &Ctrl<'_>, host: [u8; 16], owner: &str) {

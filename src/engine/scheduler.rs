@@ -115,11 +115,11 @@ pub fn plan<'a>(inp: &Inputs, target: &Target, count: usize, pairs: impl Iterato
         return Err(Error::InvalidParam("request has no descriptors".into()));
     }
     // A request small enough to stay on rail 0 has few descriptors: those are read ahead
-    // to sum their bytes (rail0_request); longer lists are read as they go, by a loop
+    // to sum their bytes (Small::of); longer lists are read as they go, by a loop
     // made for the caller's own iterator (a boxed one cost a call per descriptor).
     if count <= RAIL0_MAX_DESCS {
         let v = pairs.collect::<Result<Vec<Pair>>>()?;
-        let small = Small { rail0: rail0_request(inp, target, &v), eager: eager_write(inp, target, &v) };
+        let small = Small::of(inp, target, &v);
         return plan_pairs(inp, target, count, v.into_iter().map(Ok), small, reach);
     }
     plan_pairs(inp, target, count, pairs, Small::default(), reach)
@@ -156,7 +156,6 @@ impl HostPool {
 /// The current registration pair's ranges, [start, end] on each side (end = last byte + 1,
 /// with no overflow: a registration ending at the top of the address space is refused by
 /// `check` as well), so that a descriptor's bounds check is four comparisons.
-#[derive(Default)]
 struct Bounds {
     local: (u64, u64),
     remote: (u64, u64),
@@ -219,15 +218,13 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, mut pairs: impl I
         next = match (way, target, &**rm) {
             (Way::Loopback { local, remote }, _, _) => {
                 let kind = SegKind::Loopback { local: local.map(|d| d.ctx), remote: remote.map(|d| d.ctx) };
-                run.each(&mut pairs, first, &mut i, |_, (la, ll, _), (ra, _, _), join| {
-                    sum.bytes += ll;
+                run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |_, (la, ll, _), (ra, _, _), join| {
                     push(&mut segs, Seg { local: la, len: ll, raddr: ra, rkey: 0, desc: 0, rail: 0, rrail: 0, kind }, u64::MAX, join);
                 })?
             }
             (Way::SameHost { kind, shift }, _, _) => {
                 let host = same_process_host(&kind);
-                run.each(&mut pairs, first, &mut i, |_, (la, ll, _), (ra, _, _), join| {
-                    sum.bytes += ll;
+                run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |_, (la, ll, _), (ra, _, _), join| {
                     if host {
                         pool.bytes += ll;
                     }
@@ -235,22 +232,19 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, mut pairs: impl I
                 })?
             }
             (Way::Staged(lstaged), Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
-                run.each(&mut pairs, first, &mut i, |_, local, (ra, _, _), _| {
-                    sum.bytes += local.1;
+                run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |_, local, (ra, _, _), _| {
                     staged_segs(inp, &mut segs, &mut fill, local, (ra, desc), lstaged, &peer.route);
                 })?
             }
             (Way::Rma, Target::Peer(_), RemoteMem::Peer { desc, .. }) if small.eager && lm.kind == MemKind::Dram && lm.dev.is_none() && desc.mem_type == 0 => {
                 let rkey = desc.keys.first().copied().unwrap_or(0);
-                run.each(&mut pairs, first, &mut i, |_, (la, ll, _), (ra, _, _), join| {
-                    sum.bytes += ll;
+                run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |_, (la, ll, _), (ra, _, _), join| {
                     push(&mut segs, Seg { local: la, len: ll, raddr: ra, rkey, desc: 0, rail: 0, rrail: 0, kind: SegKind::Put }, u64::MAX, join);
                 })?
             }
             (Way::Rma, Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
                 let spread = Spread { count, small: small.rail0, route: &peer.route };
-                run.each(&mut pairs, first, &mut i, |at, local, (ra, _, _), join| {
-                    sum.bytes += local.1;
+                run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |at, local, (ra, _, _), join| {
                     rma_segs(inp, &mut segs, &spread, at, local, (ra, desc), join);
                 })?
             }
@@ -308,10 +302,12 @@ impl Run {
     /// Checks the run's descriptors from `first` on (lengths equal, inside both
     /// registrations), hands each one with bytes to `seg` (its index, local and remote
     /// (address, length, registration), and whether a segment of this run came before it),
-    /// and returns the first descriptor of the next run. `i` counts descriptors read.
+    /// and returns the first descriptor of the next run. `count.0` counts descriptors read,
+    /// `count.1` their bytes.
     #[inline(always)]
-    fn each<'a>(&self, pairs: &mut impl Iterator<Item = Result<Pair<'a>>>, first: Pair<'a>, i: &mut usize,
+    fn each<'a>(&self, pairs: &mut impl Iterator<Item = Result<Pair<'a>>>, first: Pair<'a>, count: (&mut usize, &mut u64),
                 mut seg: impl FnMut(usize, (u64, u64, &'a Arc<LocalMem>), (u64, u64, &'a Arc<RemoteMem>), bool)) -> Result<Option<Pair<'a>>> {
+        let (i, bytes) = count;
         let mut p = first;
         let mut join = false;
         loop {
@@ -326,6 +322,7 @@ impl Run {
                 rm.check(ra, rl).map_err(|e| Error::InvalidParam(format!("descriptor {i}: {e}")))?;
             }
             if ll != 0 {
+                *bytes += ll;
                 // (Segments join only within one registration pair: a device copy must not
                 // span two allocations that merely happen to be adjacent.)
                 seg(*i, p.local, p.remote, join);
@@ -468,13 +465,20 @@ struct Small {
     eager: bool,
 }
 
+impl Small {
+    /// What a request of these few descriptors may take (their bytes summed once for both).
+    fn of(inp: &Inputs, target: &Target, pairs: &[Pair]) -> Small {
+        let Target::Peer(peer) = target else { return Small::default() };
+        let bytes: u64 = pairs.iter().map(|p| p.local.1).sum();
+        Small { rail0: rail0_request(inp, peer, bytes), eager: eager_write(inp, peer, bytes) }
+    }
+}
+
 /// Whether a request's writes between host memories go as a control message carrying their
 /// bytes (transport::eager): a WRITE to a peer that takes them, of at most
 /// `eager_write_bytes` in all, and no more than a notification may be (a control buffer holds
 /// a notification of max_notif_size and 8 KiB more, so any block of it fits one message).
-fn eager_write(inp: &Inputs, target: &Target, pairs: &[Pair]) -> bool {
-    let Target::Peer(peer) = target else { return false };
-    let bytes: u64 = pairs.iter().map(|p| p.local.1).sum();
+fn eager_write(inp: &Inputs, peer: &Peer, bytes: u64) -> bool {
     inp.op == Op::Write && peer.info.eager_write && bytes <= inp.cfg.eager_write_bytes.min(inp.cfg.max_notif_size)
 }
 
@@ -482,9 +486,7 @@ fn eager_write(inp: &Inputs, target: &Target, pairs: &[Pair]) -> bool {
 /// instead of taking its turn in the round-robin: it is small (config `notif_rail0_bytes`)
 /// and rail 0 orders a send after writes, so its notification can follow the data at once
 /// (transport::rma::notif_behind) instead of after a flush read's round trip.
-fn rail0_request(inp: &Inputs, target: &Target, pairs: &[Pair]) -> bool {
-    let Target::Peer(peer) = target else { return false };
-    let bytes: u64 = pairs.iter().map(|p| p.local.1).sum();
+fn rail0_request(inp: &Inputs, peer: &Peer, bytes: u64) -> bool {
     inp.cfg.notif_behind_data
         && bytes <= inp.cfg.notif_rail0_bytes
         && inp.shapes.first().is_some_and(|s| s.order_saw)

@@ -9,6 +9,8 @@
 //! The rules hold by construction. Notification after data (5): it is taken only after
 //! every byte of its message is in place, and a message that is refused delivers neither.
 //! Done means delivered (6): the answer is sent once the bytes are in the target's memory.
+//! A notification not carried by a Put waits for the Puts' answers (the trait's default
+//! `notif_follows`: a request with segments of this route does not send it ahead).
 //! The scheduler picks this route (SegKind::Put) for a WRITE whose descriptors together are
 //! at most `eager_write_bytes`, between host memories, to a peer that takes PUT messages.
 use super::slab::Slab;
@@ -119,15 +121,12 @@ impl Eager {
                 e.status()
             }
         };
-        if cx.initiator_addr(sender_id).is_none() {
+        if !cx.conns.introduced(sender_id) {
             // Its HELLO never came (a send of it failed): the Put introduces it as well.
             let hello = Ctrl { kind: CtrlType::Hello, sender_id, sender, payload: put.intro };
             cx.conns.introduce(&hello, cx.core.host_id, &cx.core.name);
         }
-        match cx.initiator_addr(sender_id) {
-            Some(dest) => cx.ctrl(0, dest, CtrlType::PutAck, &StageAck { token: put.token, status: status.code() }.encode()),
-            None => log::warn!("{}: cannot answer a put: agent '{sender}' is unknown", cx.core.name),
-        }
+        cx.answer(sender_id, CtrlType::PutAck, put.token, status, "put");
     }
 
     /// The peer's answer to one of our Puts.
@@ -202,11 +201,6 @@ impl Transport for Eager {
         true
     }
 
-    /// A notification not carried by a Put waits for the Puts' answers (data_done).
-    fn notif_follows(&self, _cx: &Cx, req: &Request) -> bool {
-        !req.segs.iter().any(|s| matches!(s.kind, SegKind::Put))
-    }
-
     /// Puts to a peer that is gone are never answered.
     fn drop_peer(&mut self, cx: &mut Cx, peer_id: u64, _engine_id: u64) {
         for token in self.asked.tokens() {
@@ -223,6 +217,9 @@ impl Transport for Eager {
     /// again): an answer that still comes finds nothing. Ends those of a post one of whose
     /// Puts could not be sent (Marks::lost_sends: never answered; which one is not known).
     fn sweep(&mut self, cx: &mut Cx) {
+        if self.asked.is_empty() {
+            return;
+        }
         for token in self.asked.tokens() {
             let Some(a) = self.asked.get_mut(token) else { continue };
             let (stale, failed) = {

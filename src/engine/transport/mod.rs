@@ -85,15 +85,28 @@ impl Cx<'_> {
 
     /// Queues control message `kind` with `payload` to `dest` (peer `peer_id`, 0 for none).
     pub fn ctrl(&mut self, peer_id: u64, dest: crate::fabric::FiAddr, kind: super::wire::CtrlType, payload: &[u8]) {
-        let bytes = super::wire::encode_ctrl(kind, self.core.engine_id, &self.core.name, payload);
-        self.out.push(Outcome::Ctrl(CtrlOut { peer_id, dest, bytes, req: None }));
+        self.queue_ctrl(peer_id, dest, kind, payload, None);
     }
 
     /// As `ctrl`, a message that carries data of post `epoch` of `req`: a failed send fails
     /// the post.
     pub fn ctrl_of(&mut self, peer_id: u64, dest: crate::fabric::FiAddr, kind: super::wire::CtrlType, payload: &[u8], post: (Arc<Request>, u64)) {
+        self.queue_ctrl(peer_id, dest, kind, payload, Some(post));
+    }
+
+    fn queue_ctrl(&mut self, peer_id: u64, dest: crate::fabric::FiAddr, kind: super::wire::CtrlType, payload: &[u8], req: Option<(Arc<Request>, u64)>) {
         let bytes = super::wire::encode_ctrl(kind, self.core.engine_id, &self.core.name, payload);
-        self.out.push(Outcome::Ctrl(CtrlOut { peer_id, dest, bytes, req: Some(post) }));
+        self.out.push(Outcome::Ctrl(CtrlOut { peer_id, dest, bytes, req }));
+    }
+
+    /// Answers request `token` of engine `to` with `status` (a stage, copy or put answer:
+    /// `kind`); `what` names the request for the log line when `to` never introduced itself.
+    pub fn answer(&mut self, to: u64, kind: super::wire::CtrlType, token: u64, status: crate::error::Status, what: &str) {
+        let Some(dest) = self.initiator_addr(to) else {
+            log::warn!("{}: cannot answer a {what} of engine {to:016x}: it never introduced itself", self.core.name);
+            return;
+        };
+        self.ctrl(0, dest, kind, &super::wire::StageAck { token, status: status.code() }.encode());
     }
 
     /// Our control address of an engine that introduced itself.

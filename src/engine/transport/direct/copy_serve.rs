@@ -6,7 +6,7 @@ use super::super::Cx;
 use crate::cuda;
 use crate::engine::ipc_cache::IpcEntry;
 use crate::engine::registry::{LocalMem, MemKind};
-use crate::engine::wire::{CopyReq, CtrlType, StageAck};
+use crate::engine::wire::{CopyReq, CtrlType};
 use crate::error::{Error, Result, Status};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -123,9 +123,5 @@ impl CopyServes {
 }
 
 fn answer(cx: &mut Cx, to: u64, token: u64, status: Status) {
-    let Some(dest) = cx.initiator_addr(to) else {
-        log::warn!("{}: cannot answer a copy request: its sender is unknown", cx.core.name);
-        return;
-    };
-    cx.ctrl(0, dest, CtrlType::CopyAck, &StageAck { token, status: status.code() }.encode());
+    cx.answer(to, CtrlType::CopyAck, token, status, "copy request");
 }

@@ -14,7 +14,7 @@ use crate::cuda;
 use crate::engine::counters::add;
 use crate::engine::ops::{OpKind, TOp};
 use crate::engine::registry::LocalMem;
-use crate::engine::wire::{CtrlType, Stage, StageAck, StageDir};
+use crate::engine::wire::{CtrlType, Stage, StageDir};
 use crate::error::{Error, Result, Status};
 use crate::fabric::{FiAddr, Posted};
 use std::collections::VecDeque;
@@ -108,11 +108,7 @@ impl Serves {
     }
 
     fn answer(cx: &mut Cx, sender: u64, token: u64, status: Status) {
-        let Some(dest) = cx.initiator_addr(sender) else {
-            log::warn!("{}: cannot answer a stage request of an engine that never introduced itself", cx.core.name);
-            return;
-        };
-        cx.ctrl(0, dest, CtrlType::StageAck, &StageAck { token, status: status.code() }.encode());
+        cx.answer(sender, CtrlType::StageAck, token, status, "stage request");
     }
 
     fn refuse(cx: &mut Cx, sender: u64, token: u64, why: &str) {
