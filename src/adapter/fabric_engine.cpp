@@ -327,6 +327,9 @@ nixl_status_t FabricEngine<Base>::prepXfer(const nixl_xfer_op_t &operation, cons
                                                    AdapterMD::handle_offset(), remote_agent.c_str(), &h->req);
         if (s != NF_SUCCESS)
             return to_nixl(s);
+        uint32_t op = 0;
+        h->known = nf_request_info(h->req, &h->bytes, &op) == NF_SUCCESS;
+        h->write = op == NF_OP_WRITE;
         handle = h.release();
         return NIXL_SUCCESS;
     });
@@ -349,7 +352,7 @@ nixl_status_t FabricEngine<Base>::postXfer(const nixl_xfer_op_t &operation, cons
         const bool has_notif = opt_args && opt_args->hasNotif;
         const uint8_t *msg = has_notif ? bytes(opt_args->notifMsg) : nullptr;
         const size_t msg_len = has_notif ? opt_args->notifMsg.size() : 0;
-        return account(h->req, to_nixl(nf_request_post(engine_, h->req, msg, msg_len, has_notif)));
+        return account(*h, to_nixl(nf_request_post(engine_, h->req, msg, msg_len, has_notif)));
     });
 }
 
@@ -359,20 +362,17 @@ nixl_status_t FabricEngine<Base>::checkXfer(nixlBackendReqH *handle) const noexc
         FabricReqH *h = as_req(handle);
         if (!h)
             return NIXL_ERR_INVALID_PARAM;
-        return account(h->req, to_nixl(nf_request_check(engine_, h->req)));
+        return account(*h, to_nixl(nf_request_check(engine_, h->req)));
     });
 }
 
 template <class Base>
-nixl_status_t FabricEngine<Base>::account(nf_request *req, nixl_status_t s) const {
+nixl_status_t FabricEngine<Base>::account(const FabricReqH &h, nixl_status_t s) const {
     using T = nixl_telemetry_event_type_t;
     if (s == NIXL_SUCCESS) {
-        uint64_t bytes = 0;
-        uint32_t op = 0;
-        if (nf_request_info(req, &bytes, &op) == NF_SUCCESS) {
-            const bool write = op == NF_OP_WRITE;
-            this->addTelemetryEvent(write ? T::AGENT_TX_BYTES : T::AGENT_RX_BYTES, bytes);
-            this->addTelemetryEvent(write ? T::AGENT_TX_REQUESTS_NUM : T::AGENT_RX_REQUESTS_NUM, 1);
+        if (h.known) {
+            this->addTelemetryEvent(h.write ? T::AGENT_TX_BYTES : T::AGENT_RX_BYTES, h.bytes);
+            this->addTelemetryEvent(h.write ? T::AGENT_TX_REQUESTS_NUM : T::AGENT_RX_REQUESTS_NUM, 1);
         }
     } else if (s < 0 && s >= NIXL_ERR_CANCELED) {
         // Error events follow the status codes: -1 -> AGENT_ERR_NOT_POSTED, and so on.

@@ -58,6 +58,11 @@ class FabricReqH final : public nixlBackendReqH {
     static constexpr uint64_t kMagic = 0x4e46524551484e44ull; // "NFREQHND"
     uint64_t magic = kMagic;
     nf_request *req = nullptr;
+    // The request's bytes and operation for telemetry, read once at preparation (a post
+    // that ends at once would otherwise make one more library call).
+    uint64_t bytes = 0;
+    bool write = false;
+    bool known = false;
     ~FabricReqH() override { magic = 0; }
 };
 
@@ -65,7 +70,7 @@ template <class Base> class FabricEngine final : public Base {
   public:
     explicit FabricEngine(const nixlBackendInitParams *init);
     // A finished post's status as telemetry: bytes and requests, or the error.
-    nixl_status_t account(nf_request *req, nixl_status_t s) const;
+    nixl_status_t account(const FabricReqH &h, nixl_status_t s) const;
     ~FabricEngine() override;
 
     bool supportsRemote() const noexcept override { return true; }

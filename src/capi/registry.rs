@@ -4,13 +4,37 @@
 //! Sharded by address so threads working on different handles rarely meet on one lock.
 use crate::error::Error;
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, MutexGuard};
 
 const SHARDS: usize = 16;
 
-static LIVE: [Mutex<Option<HashMap<usize, u64>>>; SHARDS] = [const { Mutex::new(None) }; SHARDS];
+/// Hashes a handle's address with one multiplication: the keys are our own heap addresses,
+/// not input an attacker picks, and the default SipHash was a visible part of every call's
+/// handle check (two per post, perf on the CI VM).
+#[derive(Default)]
+struct AddrHasher(u64);
 
-fn shard(addr: usize) -> MutexGuard<'static, Option<HashMap<usize, u64>>> {
+impl Hasher for AddrHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fn finish(&self) -> u64 {
+        // The multiplication leaves its best bits high; the table indexes by the low ones.
+        self.0.rotate_left(32)
+    }
+}
+
+type Live = HashMap<usize, u64, BuildHasherDefault<AddrHasher>>;
+
+static LIVE: [Mutex<Option<Live>>; SHARDS] = [const { Mutex::new(None) }; SHARDS];
+
+fn shard(addr: usize) -> MutexGuard<'static, Option<Live>> {
     // Boxes are at least 8-byte aligned: the low bits carry nothing.
     LIVE[(addr >> 4) % SHARDS].lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -18,7 +42,7 @@ fn shard(addr: usize) -> MutexGuard<'static, Option<HashMap<usize, u64>>> {
 /// Hands out a boxed handle of `kind`, recorded as live.
 pub(super) fn publish<T>(b: Box<T>, kind: u64) -> *mut T {
     let p = Box::into_raw(b);
-    shard(p as usize).get_or_insert_with(HashMap::new).insert(p as usize, kind);
+    shard(p as usize).get_or_insert_with(Live::default).insert(p as usize, kind);
     p
 }
 

@@ -14,6 +14,7 @@ use super::inbox::{Inbox, Submit};
 use super::ops::{OpKind, OpPool};
 use super::peer::Peer;
 use super::port::{Mr, Port};
+use crate::fabric::Hmem;
 use super::request::{PieceEnd, Phase, ReqState, Request, Route};
 use super::transport::{Cx, Outcome, Piece, Post, RailSlots, Stop, Transport};
 use super::wire::{self, CtrlType};
@@ -151,7 +152,7 @@ impl Driver {
     /// # Safety
     /// The memory stays allocated while the returned registrations live (NIXL's contract:
     /// memory is deregistered before it is freed).
-    pub unsafe fn register(&mut self, addr: u64, len: u64, hmem: Option<(u32, i32)>) -> Result<Vec<Mr>> {
+    pub unsafe fn register(&mut self, addr: u64, len: u64, hmem: Option<Hmem>) -> Result<Vec<Mr>> {
         let mut mrs = Vec::with_capacity(self.rails.len());
         for r in &self.rails {
             self.next_key += 1;
@@ -305,8 +306,8 @@ impl Driver {
                 self.kick(peer.id);
             }
         }
+        // (Its timeout counts from the post, which stamped last_progress: no clock read here.)
         st.phase = Phase::Data;
-        st.last_progress = Instant::now();
         let empty = req.segs.is_empty();
         if empty {
             self.data_done(&req, &mut st);

@@ -283,6 +283,7 @@ impl Engine {
                 ordinal: i.device_ordinal.unwrap_or(0),
                 // Decided by the registration below.
                 staged: true,
+                managed: i.is_managed,
             }),
             None => None,
         };

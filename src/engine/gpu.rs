@@ -11,6 +11,8 @@ pub struct DeviceMem {
     pub ctx: cuda::Context,
     pub ordinal: i32,
     pub staged: bool,
+    /// Managed (unified) memory: registered with FI_HMEM but not as device-only.
+    pub managed: bool,
 }
 
 /// Checks that `[addr, addr+len)` is what it claims to be: device memory of one

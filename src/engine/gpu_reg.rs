@@ -9,7 +9,7 @@ use super::registry::GpuRegistry;
 use crate::config::VramPolicy;
 use crate::cuda;
 use crate::error::{Error, Result};
-use crate::fabric::DmaBufRange;
+use crate::fabric::{DmaBufRange, Hmem};
 use std::sync::Arc;
 
 /// libfabric's FI_HMEM_CUDA interface number.
@@ -95,7 +95,8 @@ pub unsafe fn register(rails: &[Arc<dyn Port>], next_key: &mut u64, policy: Vram
             for r in rails {
                 *next_key += 1;
                 // SAFETY: forwarded from the caller.
-                match unsafe { r.register(addr as *const u8, len as usize, *next_key, Some((FI_HMEM_CUDA, dev.ordinal))) } {
+                let hmem = Hmem { iface: FI_HMEM_CUDA, device: dev.ordinal, device_only: !dev.managed };
+                match unsafe { r.register(addr as *const u8, len as usize, *next_key, Some(hmem)) } {
                     Ok(m) => mrs.push(m),
                     Err(e) => {
                         failed = Some(format!("FI_HMEM registration refused by {}: {e}", r.caps().prov_name));

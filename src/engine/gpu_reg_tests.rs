@@ -23,7 +23,7 @@ fn dev() -> DeviceMem {
     // SAFETY: a dangling handle value that nothing dereferences (the fakes never call CUDA
     // without a driver).
     let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.expect("non-null");
-    DeviceMem { ctx, ordinal: 0, staged: true }
+    DeviceMem { ctx, ordinal: 0, staged: true, managed: false }
 }
 
 struct Run {
@@ -173,7 +173,7 @@ fn posted_under_its_context_child() {
         let pattern: Vec<u8> = (0..src.len()).map(|i| (i % 251) as u8).collect();
         src.write(0, &pattern).unwrap();
         let mut dst = vec![0u8; src.len()];
-        let dm = DeviceMem { ctx, ordinal: 0, staged: false };
+        let dm = DeviceMem { ctx, ordinal: 0, staged: false, managed: false };
         b.core.gpu.add_context(ctx);
         let (mut d, inbox) = driver(&b);
         let export = || cuda::Driver::get()?.dmabuf(&ctx, 0, src.addr(), src.len() as u64);

@@ -3,7 +3,7 @@
 //! transport against a fake rail that answers FI_EAGAIN, fails posts, and delivers error,
 //! late and out-of-order completions (transport/fake.rs).
 use crate::error::Result;
-use crate::fabric::{Completion, CqError, DmaBufRange, FiAddr, MemoryRegion, Posted, Rail, RailCaps, RmaSeg};
+use crate::fabric::{Completion, CqError, DmaBufRange, FiAddr, Hmem, MemoryRegion, Posted, Rail, RailCaps, RmaSeg};
 use std::ffi::c_void;
 
 /// One registration on one rail: the key peers name it by, our local descriptor, and the
@@ -33,12 +33,12 @@ pub trait Port: Send + Sync {
     fn index(&self) -> usize;
     fn caps(&self) -> &RailCaps;
 
-    /// Registers `len` bytes at `addr` (device memory where `hmem` is (iface, device)).
+    /// Registers `len` bytes at `addr` (device memory where `hmem` names it).
     ///
     /// # Safety
     /// The memory must stay allocated while the returned `Mr` lives: peers may read and
     /// write it through its key until then.
-    unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<Mr>;
+    unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<Hmem>) -> Result<Mr>;
 
     /// Registers device memory by dma-buf (FI_MR_DMABUF) with FI_HMEM interface and device
     /// `hmem`; refused where `caps().dmabuf` is false.
@@ -94,7 +94,7 @@ impl Port for Rail {
     fn caps(&self) -> &RailCaps {
         &self.caps
     }
-    unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<Mr> {
+    unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<Hmem>) -> Result<Mr> {
         // SAFETY: forwarded: the caller keeps the memory allocated while the Mr lives.
         let mr = unsafe { Rail::register(self, addr, len, key, hmem) }?;
         Ok(Mr { key: mr.key, desc: mr.desc, _mr: Some(mr) })

@@ -813,7 +813,7 @@ mod tests {
         // A context value the scheduler only carries along (never used here).
         // SAFETY: a dangling handle that no CUDA call sees in this test.
         let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
-        let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: true };
+        let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: true, managed: false };
         let l = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 2, Vec::new(), q, Some(dev), None));
         let pairs = [Pair { local: (0x10_0000, 3 << 20, &l), remote: (0x900_0000, 3 << 20, &r) }];
         let mut on = cfg.clone();

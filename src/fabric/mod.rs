@@ -8,7 +8,7 @@ mod rail;
 mod domain_lock;
 
 pub use info::{discover, provider_list, ProviderSummary, RailSpec};
-pub use rail::{Completion, CqError, DmaBufRange, FaultCounts, FaultSpec, MemoryRegion, Posted, Posting, Rail, RailCaps, RmaSeg, MAX_RMA_BATCH};
+pub use rail::{Completion, CqError, DmaBufRange, FaultCounts, FaultSpec, Hmem, MemoryRegion, Posted, Posting, Rail, RailCaps, RmaSeg, MAX_RMA_BATCH};
 
 /// libfabric's address handle of a peer endpoint in one rail's address vector.
 pub type FiAddr = u64;

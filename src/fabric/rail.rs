@@ -126,6 +126,16 @@ pub struct MemoryRegion {
 }
 
 /// Device memory as a dma-buf range for [`Rail::register_dmabuf`]: bytes
+/// Device memory as a registration names it: libfabric's FI_HMEM interface and device, and
+/// whether it is memory of a device allocation call (not managed memory), which is
+/// registered with FI_HMEM_DEVICE_ONLY.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hmem {
+    pub iface: u32,
+    pub device: i32,
+    pub device_only: bool,
+}
+
 /// `[offset, offset + len)` of the buffer `fd`, whose byte 0 is at device address `base`
 /// (so the region's address is `base + offset`, as fi_mr(3) defines it).
 #[derive(Clone, Copy, Debug)]
@@ -303,19 +313,19 @@ impl Rail {
     }
 
     /// Registers `len` bytes at `addr` for local and remote access. `key` is used when the
-    /// provider does not choose keys. `hmem` is (FI_HMEM iface, device) for device memory.
+    /// provider does not choose keys. `hmem` names device memory.
     ///
     /// # Safety
     /// `addr..addr + len` is memory of this process (host memory, or memory of the device
     /// `hmem` names) that stays allocated and mapped until the returned region is dropped:
     /// until then the provider, and peers holding its key, may read and write it.
-    pub unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<MemoryRegion> {
+    pub unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<Hmem>) -> Result<MemoryRegion> {
         let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
-        let (iface, dev) = hmem.map_or((0, 0), |(i, d)| (i as i32, d));
+        let (iface, dev, only) = hmem.map_or((0, 0, 0), |h| (h.iface as i32, h.device, h.device_only as i32));
         let mut raw = std::ptr::null_mut();
         let _domain = self.calls.lock();
         // SAFETY: domain is live; the shim builds the attribute struct for this call only.
-        let ret = unsafe { sys::nf_fi_mr_reg_buf(self.domain.raw, addr as *mut c_void, len, access, key, iface, dev, &mut raw) };
+        let ret = unsafe { sys::nf_fi_mr_reg_buf(self.domain.raw, addr as *mut c_void, len, access, key, iface, dev, only, &mut raw) };
         if ret != 0 {
             return Err(fab_err("fi_mr_regattr", Some(self.index), ret as i64));
         }

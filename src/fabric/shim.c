@@ -43,13 +43,16 @@ static int nf_mr_regattr(struct fid_domain *domain, union nf_mr_attr *u, uint64_
 }
 
 int nf_fi_mr_reg_buf(struct fid_domain *domain, void *buf, size_t len, uint64_t access, uint64_t key,
-                     int iface, int device, struct fid_mr **mr)
+                     int iface, int device, int device_only, struct fid_mr **mr)
 {
 	struct iovec iov = { .iov_base = buf, .iov_len = len };
 	union nf_mr_attr u;
 	memset(&u, 0, sizeof u);
 	u.attr.mr_iov = &iov;
-	return nf_mr_regattr(domain, &u, access, key, iface, device, 0, mr);
+	/* fi_mr(3): FI_HMEM_DEVICE_ONLY marks memory of a device allocation call. shm takes the
+	 * device-to-device IPC protocol only for regions registered with it; without it every
+	 * byte goes through its host bounce buffers. */
+	return nf_mr_regattr(domain, &u, access, key, iface, device, device_only ? FI_HMEM_DEVICE_ONLY : 0, mr);
 }
 
 /* fi_mr(3) of libfabric >= 1.20: "struct fi_mr_dmabuf { int fd; uint64_t offset; size_t len;

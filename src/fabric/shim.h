@@ -23,11 +23,12 @@ int nf_fi_enable(struct fid_ep *ep);
 int nf_fi_getname(struct fid_ep *ep, void *addr, size_t *addrlen);
 int nf_fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags);
 int nf_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count);
-/* fi_mr_regattr of one contiguous buffer, optionally device memory (iface != FI_HMEM_SYSTEM).
- * Built in C because fi_mr_attr's layout differs between 1.x and 2.x (mr_iov moved into an
- * anonymous union), which C names the same way in both. */
+/* fi_mr_regattr of one contiguous buffer, optionally device memory (iface != FI_HMEM_SYSTEM;
+ * `device_only`: memory of a device allocation, not managed, registered with
+ * FI_HMEM_DEVICE_ONLY). Built in C because fi_mr_attr's layout differs between 1.x and 2.x
+ * (mr_iov moved into an anonymous union), which C names the same way in both. */
 int nf_fi_mr_reg_buf(struct fid_domain *domain, void *buf, size_t len, uint64_t access, uint64_t key,
-                     int iface, int device, struct fid_mr **mr);
+                     int iface, int device, int device_only, struct fid_mr **mr);
 /* The same over a dma-buf (FI_MR_DMABUF, libfabric >= 1.20 at run time only): the region is
  * bytes [offset, offset + len) of the dma-buf `fd`, whose offset 0 is at `base_addr`. */
 int nf_fi_mr_reg_dmabuf(struct fid_domain *domain, int fd, uint64_t offset, size_t len, void *base_addr,

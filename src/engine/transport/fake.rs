@@ -14,7 +14,7 @@ use crate::engine::port::{Mr, Port};
 use crate::engine::registry::CloseQueue;
 use crate::engine::wire::{ConnInfo, RailAddr};
 use crate::error::{Error, Result};
-use crate::fabric::{Completion, CqError, DmaBufRange, FiAddr, Posted, RailCaps, RmaSeg};
+use crate::fabric::{Completion, CqError, DmaBufRange, FiAddr, Hmem, Posted, RailCaps, RmaSeg};
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -252,7 +252,7 @@ impl Port for FakePort {
     fn caps(&self) -> &RailCaps {
         &self.caps
     }
-    unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<(u32, i32)>) -> Result<Mr> {
+    unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<Hmem>) -> Result<Mr> {
         match hmem {
             Some(_) => self.register_device("hmem", addr as u64, len as u64, key),
             None => Ok(Mr::detached(key, std::ptr::null_mut())),

@@ -170,7 +170,7 @@ fn checks() -> String {
     // SAFETY: m outlives any region these make (dropped at once).
     let cuda_dmabuf = unsafe { rail.reg_dmabuf_unchecked(&range, 10, (1, 0)) }.err().map(|e| e.to_string());
     // SAFETY: as above.
-    let cuda_plain = unsafe { target.register(m.map, len, 11, Some((1, 0))) }.err().map(|e| e.to_string());
+    let cuda_plain = unsafe { target.register(m.map, len, 11, Some(super::Hmem { iface: 1, device: 0, device_only: true })) }.err().map(|e| e.to_string());
     drop(mo);
     drop(target);
     format!("libfabric {lib}: {len} bytes written and read back through a dma-buf registration {how}; CUDA iface: dma-buf {}, plain {}",

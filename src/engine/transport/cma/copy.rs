@@ -61,12 +61,35 @@ pub fn cut(ranges: &[Range], workers: usize) -> Vec<Vec<Range>> {
     out
 }
 
+/// Whether a run of `n` ranges and `bytes` bytes is one piece (`cut` keeps it whole): it is
+/// copied where it is posted, straight from the request's segments.
+pub fn one_piece(n: usize, bytes: u64) -> bool {
+    bytes <= MIN_PIECE && n <= MAX_IOV
+}
+
+/// The iovec lists of a process_vm_* call, kept between calls by whoever copies often (two
+/// allocations per small transfer otherwise).
+#[derive(Default)]
+pub struct Iovecs {
+    local: Vec<libc::iovec>,
+    remote: Vec<libc::iovec>,
+}
+
+// SAFETY: the lists hold plain addresses, filled and used by one call at a time.
+unsafe impl Send for Iovecs {}
+
 /// Moves every range of `piece` between our memory and process `pid`'s (`write`: ours to
 /// theirs). A short transfer (the peer's page went away mid-copy) is resumed once from
 /// where it stopped, which then reports the kernel's error.
 pub fn copy(pid: u32, write: bool, piece: &[Range]) -> Result<()> {
+    copy_ranges(pid, write, piece.iter().copied(), &mut Iovecs::default())
+}
+
+/// `copy` over ranges from an iterator (at most MAX_IOV of them), with `iov` as the call's
+/// lists.
+pub fn copy_ranges(pid: u32, write: bool, ranges: impl Iterator<Item = Range> + Clone, iov: &mut Iovecs) -> Result<()> {
     if pid == THIS_PROCESS {
-        for &(l, r, n) in piece {
+        for (l, r, n) in ranges {
             let (d, s) = if write { (r, l) } else { (l, r) };
             // SAFETY: THIS_PROCESS pieces come from the scheduler (same-process host memory): both ranges lie in live
             // registrations of engines of this process, bounds-checked at preparation;
@@ -75,8 +98,13 @@ pub fn copy(pid: u32, write: bool, piece: &[Range]) -> Result<()> {
         }
         return Ok(());
     }
-    let mut local: Vec<libc::iovec> = piece.iter().map(|&(l, _, n)| libc::iovec { iov_base: l as *mut libc::c_void, iov_len: n }).collect();
-    let mut remote: Vec<libc::iovec> = piece.iter().map(|&(_, r, n)| libc::iovec { iov_base: r as *mut libc::c_void, iov_len: n }).collect();
+    let Iovecs { local, remote } = iov;
+    local.clear();
+    remote.clear();
+    for (l, r, n) in ranges {
+        local.push(libc::iovec { iov_base: l as *mut libc::c_void, iov_len: n });
+        remote.push(libc::iovec { iov_base: r as *mut libc::c_void, iov_len: n });
+    }
     let (mut li, mut ri) = (0usize, 0usize);
     while li < local.len() {
         // SAFETY: `local` describes registered memory of this process that the request
@@ -101,8 +129,8 @@ pub fn copy(pid: u32, write: bool, piece: &[Range]) -> Result<()> {
         if n == 0 {
             return Err(cma_error(write, std::io::Error::from_raw_os_error(libc::EFAULT)));
         }
-        advance(&mut local, &mut li, n as usize);
-        advance(&mut remote, &mut ri, n as usize);
+        advance(local, &mut li, n as usize);
+        advance(remote, &mut ri, n as usize);
     }
     Ok(())
 }

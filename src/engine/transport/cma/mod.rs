@@ -25,7 +25,7 @@ use crate::engine::counters::add;
 use crate::engine::local_peers::RECENTLY_ALIVE;
 use crate::engine::request::{Op, Request, Route, SegKind};
 use crate::error::{Error, Result};
-use copy::{copy, cut, Batch, Pool, Range, AUTO_MAX_THREADS};
+use copy::{copy, copy_ranges, cut, one_piece, Batch, Iovecs, Pool, Range, AUTO_MAX_THREADS};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,11 +53,13 @@ struct Track {
 pub struct Cma {
     pool: Pool,
     tracks: Vec<Track>,
+    /// The lists of the copies made on this thread.
+    iov: Iovecs,
 }
 
 impl Cma {
     pub fn new(name: &str, threads: usize) -> Cma {
-        Cma { pool: Pool::new(name, threads), tracks: Vec::new() }
+        Cma { pool: Pool::new(name, threads), tracks: Vec::new(), iov: Iovecs::default() }
     }
 
     /// How long an idle copy thread keeps looking for work before it blocks.
@@ -86,6 +88,13 @@ impl Cma {
         for p in &pieces {
             copy(pid, write, p)?;
         }
+        Self::copied_here(cx, req, pid, bytes)
+    }
+
+    /// Ends a run copied on this thread: the peer's liveness, then the counters.
+    fn copied_here(cx: &mut Cx, req: &Arc<Request>, pid: u32, bytes: u64) -> Result<usize> {
+        let write = req.op == Op::Write;
+        let c = &cx.core.counters;
         // As for pooled copies: a process that died meanwhile may have "taken" the bytes.
         // A small copy takes microseconds, so a peer seen alive within RECENTLY_ALIVE (the
         // check before it, as a rule) was alive when it ended, give or take that window,
@@ -125,8 +134,17 @@ impl Transport for Cma {
         if let Some(p) = req.peer().filter(|p| !p.local.alive_within(RECENTLY_ALIVE)) {
             return Start::failed(0, 0, Error::Disconnected(format!("agent '{}' exited", p.name)));
         }
-        let ranges: Vec<Range> = req.segs[at..end].iter().map(|s| (s.local, s.raddr, s.len as usize)).collect();
-        match self.spread(cx, req, epoch, pid, ranges) {
+        let run = &req.segs[at..end];
+        let bytes: u64 = run.iter().map(|s| s.len).sum();
+        let ranges = run.iter().map(|s| (s.local, s.raddr, s.len as usize));
+        // A run of one piece (small transfers) is copied from the segments as they lie: no
+        // range or piece lists to build and free per post.
+        let res = if one_piece(run.len(), bytes) {
+            copy_ranges(pid, req.op == Op::Write, ranges, &mut self.iov).and_then(|_| Self::copied_here(cx, req, pid, bytes))
+        } else {
+            self.spread(cx, req, epoch, pid, ranges.collect())
+        };
+        match res {
             Ok(pieces) => {
                 marks.local_copies += pieces;
                 Start::went(end - at, pieces)

@@ -562,7 +562,7 @@ mod tests {
     fn device(b: &Bench, len: usize) -> (cuda::DeviceBuffer, Arc<LocalMem>, DeviceMem, cuda::PrimaryContext) {
         let p = cuda::Context::primary(0).expect("mock device 0");
         let buf = cuda::DeviceBuffer::new(&p.context(), len).expect("device memory");
-        let dev = DeviceMem { ctx: p.context(), ordinal: 0, staged: true };
+        let dev = DeviceMem { ctx: p.context(), ordinal: 0, staged: true, managed: false };
         let closeq = Arc::new(Mutex::new(CloseQueue::default()));
         let m = Arc::new(LocalMem::new(b.core.engine_id, buf.addr(), len as u64, MemKind::Vram, 0, b.rails.len(), Vec::new(), closeq, Some(dev), Some(b.core.gpu.clone())));
         b.core.gpu.add(&m, dev.ctx);
