@@ -243,6 +243,7 @@ fn plan_pairs<'a>(inp: &Inputs, target: &Target, count: usize, mut pairs: impl I
                 })?
             }
             (Way::Rma, Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
+                sum.device_rma |= lm.dev.is_some();
                 let spread = Spread { count, small: small.rail0, route: &peer.route };
                 run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |at, local, (ra, _, _), join| {
                     rma_segs(inp, &mut segs, &spread, at, local, (ra, desc), join);

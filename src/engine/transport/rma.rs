@@ -233,7 +233,7 @@ impl Transport for Rma {
             let seg = |t: &crate::engine::request::Seg| RmaSeg { local: t.local as *mut u8, len: t.len as usize, desc: t.desc as *mut _, raddr: t.raddr, rkey: t.rkey };
             let mut batch = [seg(&s); MAX_RMA_BATCH];
             let (mut n, mut bytes) = (1usize, s.len);
-            let limit = port.caps().rma_batch.min(self.batch_max);
+            let limit = if req.device_rma { 1 } else { port.caps().rma_batch.min(self.batch_max) };
             while n < limit {
                 let Some(t) = req.segs.get(i + n) else { break };
                 if t.rail != s.rail || t.rrail != s.rrail || !matches!(t.kind, SegKind::Rma) || bytes + t.len > MAX_BATCH_BYTES {
@@ -424,6 +424,25 @@ mod tests {
         }
         assert_eq!(dst, src);
         assert_eq!(b.slots.inflight, vec![0, 0], "every slot back");
+    }
+
+    #[test]
+    fn device_memory_segments_go_one_per_operation() {
+        let mut b = Bench::new(1, false);
+        let peer = b.peer(1, Locality::Remote);
+        let src = pattern(32 * 1024);
+        let mut dst = vec![0u8; src.len()];
+        let segs = segs(&src, &mut dst, 8, 4096, 1);
+        let sum = crate::engine::request::SegSummary { bytes: src.len() as u64, on_rails: true, local_copies: false, device_rma: true };
+        let target = crate::engine::request::Target::Peer(peer.clone());
+        let req = Arc::new(Request::summed(Op::Write, target, segs, sum, Vec::new(), Vec::new(), Vec::new()));
+        let mut t = Rma::new(0, &b.rails, 4).unwrap();
+        let run = b.run(&mut t, &req, 50);
+        assert!(run.failed.is_none() && run.pieces.iter().all(|p| p.res.is_ok()));
+        let ops = b.fakes[0].accepted();
+        assert_eq!(ops.len(), 8, "one operation per segment");
+        assert!(ops.iter().all(|a| a.segs.len() == 1));
+        assert_eq!(dst, src);
     }
 
     #[test]
