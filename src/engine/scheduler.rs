@@ -805,6 +805,25 @@ mod tests {
     }
 
     #[test]
+    fn provider_registered_device_memory_marks_the_plan_one_segment_per_operation() {
+        let cfg = Config::defaults();
+        let p = peer(1, 2, Locality::Remote, false);
+        let r = remote(&p, 0x900_0000, 8 << 20, 2);
+        // SAFETY: a dangling handle that no CUDA call sees in this test.
+        let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
+        let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: false, managed: false };
+        let q = Arc::new(Mutex::new(CloseQueue::default()));
+        let vram = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 2, Vec::new(), q.clone(), Some(dev), None));
+        let dram = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Dram, 0, 2, Vec::new(), q, None, None));
+        for (l, device) in [(&vram, true), (&dram, false)] {
+            let pairs: Vec<Pair> = (0..4).map(|i| Pair { local: (0x10_0000 + i * 8192, 4096, l), remote: (0x900_0000 + i * 8192, 4096, &r) }).collect();
+            let plan = run(&cfg, 2, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
+            assert!(plan.segs.iter().all(|s| matches!(s.kind, SegKind::Rma)));
+            assert_eq!(plan.sum.device_rma, device, "device memory {device}");
+        }
+    }
+
+    #[test]
     fn staged_device_memory_is_cut_into_chunks_over_the_route() {
         let mut cfg = Config::defaults();
         cfg.staging_chunk_size = 1 << 20;
