@@ -94,9 +94,20 @@ pub unsafe fn register(rails: &[Arc<dyn Port>], next_key: &mut u64, policy: Vram
             let mut failed = None;
             for r in rails {
                 *next_key += 1;
-                // SAFETY: forwarded from the caller.
                 let hmem = Hmem { iface: FI_HMEM_CUDA, device: dev.ordinal, device_only: !dev.managed };
-                match unsafe { r.register(addr as *const u8, len as usize, *next_key, Some(hmem)) } {
+                // SAFETY: forwarded from the caller.
+                let reg = unsafe { r.register(addr as *const u8, len as usize, *next_key, Some(hmem)) }.or_else(|e| {
+                    if !hmem.device_only {
+                        return Err(e);
+                    }
+                    // A provider that does not know the flag may refuse it: the region is
+                    // the same without it (only shm's choice of protocol reads it).
+                    log::debug!("rail {}: FI_HMEM registration with FI_HMEM_DEVICE_ONLY refused ({e}); again without it", r.index());
+                    *next_key += 1;
+                    // SAFETY: forwarded from the caller.
+                    unsafe { r.register(addr as *const u8, len as usize, *next_key, Some(Hmem { device_only: false, ..hmem })) }
+                });
+                match reg {
                     Ok(m) => mrs.push(m),
                     Err(e) => {
                         failed = Some(format!("FI_HMEM registration refused by {}: {e}", r.caps().prov_name));

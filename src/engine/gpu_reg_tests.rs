@@ -73,6 +73,12 @@ fn dmabuf_first_then_hmem_then_staging() {
     let r = run(&b, VramPolicy::Auto, &|| panic!("no export without dma-buf support")).unwrap();
     assert_eq!(r.kind, VramReg::Hmem);
     assert!(r.why.contains("needs libfabric API 1.20"), "{}", r.why);
+    // A provider that refuses FI_HMEM_DEVICE_ONLY takes the registration without it.
+    let b = Bench::with_caps(2, hmem_caps(false), Config::defaults());
+    b.fakes[1].refuse_registration("device-only");
+    let r = run(&b, VramPolicy::Auto, &ok).unwrap();
+    assert_eq!(r.kind, VramReg::Hmem, "{}", r.why);
+    assert!(r.regs.iter().all(|v| v.last().is_some_and(|x| x.0 == "hmem")), "{:?}", r.regs);
     // Both refused: staged, no MRs, both reasons kept.
     let b = Bench::with_caps(2, hmem_caps(true), Config::defaults());
     b.fakes[0].refuse_registration("dmabuf");

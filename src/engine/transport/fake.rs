@@ -120,7 +120,8 @@ impl FakePort {
         self.st().order.clone()
     }
 
-    /// Device registrations of `kind` ("dmabuf", "hmem") are refused from now on.
+    /// Device registrations of `kind` ("dmabuf", "hmem"; "device-only": FI_HMEM ones that
+    /// carry FI_HMEM_DEVICE_ONLY) are refused from now on.
     pub fn refuse_registration(&self, kind: &'static str) {
         self.st().refuse_reg.push(kind);
     }
@@ -254,6 +255,9 @@ impl Port for FakePort {
     }
     unsafe fn register(&self, addr: *const u8, len: usize, key: u64, hmem: Option<Hmem>) -> Result<Mr> {
         match hmem {
+            Some(h) if h.device_only && self.st().refuse_reg.contains(&"device-only") => {
+                Err(Error::Fabric { op: "fi_mr_regattr", rail: Some(self.index), code: -libc::EINVAL, detail: "injected: FI_HMEM_DEVICE_ONLY unknown".into() })
+            }
             Some(_) => self.register_device("hmem", addr as u64, len as u64, key),
             None => Ok(Mr::detached(key, std::ptr::null_mut())),
         }
