@@ -125,7 +125,6 @@ pub struct MemoryRegion {
     calls: Arc<DomainLock>,
 }
 
-/// Device memory as a dma-buf range for [`Rail::register_dmabuf`]: bytes
 /// Device memory as a registration names it: libfabric's FI_HMEM interface and device, and
 /// whether it is memory of a device allocation call (not managed memory), which is
 /// registered with FI_HMEM_DEVICE_ONLY.
@@ -136,6 +135,7 @@ pub struct Hmem {
     pub device_only: bool,
 }
 
+/// Device memory as a dma-buf range for [`Rail::register_dmabuf`]: bytes
 /// `[offset, offset + len)` of the buffer `fd`, whose byte 0 is at device address `base`
 /// (so the region's address is `base + offset`, as fi_mr(3) defines it).
 #[derive(Clone, Copy, Debug)]

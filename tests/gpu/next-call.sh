@@ -2,8 +2,8 @@
 # The device calls planned for what the 2026-12-06 sessions left open, batched into two calls of
 # the device tool. Build the bundle here (`make gpu-bundle`), then on the device, from the
 # repository root, with .gpu carried:
-#   OUT=$OUT bash tests/gpu/next-call.sh a     (~450 s)
-#   OUT=$OUT bash tests/gpu/next-call.sh b     (~330 s)
+#   OUT=$OUT bash tests/gpu/next-call.sh a     (~200 s on the H100, 2026-12-06)
+#   OUT=$OUT bash tests/gpu/next-call.sh b     (~140 s)
 # a:
 #  1. #24: FI_HMEM between two processes on shm, now registered FI_HMEM_DEVICE_ONLY (shm's
 #     device-to-device IPC protocol; 0.14-0.60x shm's DRAM rate before), and the one-process

@@ -436,12 +436,16 @@ mod tests {
         let sum = crate::engine::request::SegSummary { bytes: src.len() as u64, on_rails: true, local_copies: false, device_rma: true };
         let target = crate::engine::request::Target::Peer(peer.clone());
         let req = Arc::new(Request::summed(Op::Write, target, segs, sum, Vec::new(), Vec::new(), Vec::new()));
+        // Under FI_EAGAIN too: a refused operation is retried as the same single segment.
+        b.fakes[0].script(&[Answer::Again, Answer::Accept, Answer::Again, Answer::Again]);
         let mut t = Rma::new(0, &b.rails, 4).unwrap();
         let run = b.run(&mut t, &req, 50);
-        assert!(run.failed.is_none() && run.pieces.iter().all(|p| p.res.is_ok()));
+        assert!(run.failed.is_none() && run.blocked >= 3 && run.pieces.iter().all(|p| p.res.is_ok()));
         let ops = b.fakes[0].accepted();
         assert_eq!(ops.len(), 8, "one operation per segment");
         assert!(ops.iter().all(|a| a.segs.len() == 1));
+        let got: Vec<u64> = ops.iter().map(|a| a.segs[0].0).collect();
+        assert_eq!(got, req.segs.iter().map(|s| s.local).collect::<Vec<_>>(), "each segment once, in order");
         assert_eq!(dst, src);
     }
 

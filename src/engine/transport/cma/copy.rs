@@ -87,7 +87,7 @@ pub fn copy(pid: u32, write: bool, piece: &[Range]) -> Result<()> {
 
 /// `copy` over ranges from an iterator (at most MAX_IOV of them), with `iov` as the call's
 /// lists.
-pub fn copy_ranges(pid: u32, write: bool, ranges: impl Iterator<Item = Range> + Clone, iov: &mut Iovecs) -> Result<()> {
+pub fn copy_ranges(pid: u32, write: bool, ranges: impl Iterator<Item = Range>, iov: &mut Iovecs) -> Result<()> {
     if pid == THIS_PROCESS {
         for (l, r, n) in ranges {
             let (d, s) = if write { (r, l) } else { (l, r) };

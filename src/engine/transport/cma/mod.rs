@@ -68,12 +68,11 @@ impl Cma {
         self
     }
 
-    /// Moves `ranges` of `req` with process `pid` (THIS_PROCESS: between engines here): one
-    /// piece on this thread, the others on the pool, the post tracked until they are done.
-    /// Returns the pieces outstanding (0: all copied here).
-    fn spread(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, pid: u32, ranges: Vec<Range>) -> Result<usize> {
+    /// Moves `ranges` of `req` (`bytes` in all) with process `pid` (THIS_PROCESS: between
+    /// engines here): one piece on this thread, the others on the pool, the post tracked
+    /// until they are done. Returns the pieces outstanding (0: all copied here).
+    fn spread(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, pid: u32, ranges: Vec<Range>, bytes: u64) -> Result<usize> {
         let write = req.op == Op::Write;
-        let bytes: u64 = ranges.iter().map(|r| r.2 as u64).sum();
         let mut pieces = cut(&ranges, self.pool.wanted());
         let c = &cx.core.counters;
         if pieces.len() > 1 && self.pool.workers() > 0 {
@@ -142,7 +141,7 @@ impl Transport for Cma {
         let res = if one_piece(run.len(), bytes) {
             copy_ranges(pid, req.op == Op::Write, ranges, &mut self.iov).and_then(|_| Self::copied_here(cx, req, pid, bytes))
         } else {
-            self.spread(cx, req, epoch, pid, ranges.collect())
+            self.spread(cx, req, epoch, pid, ranges.collect(), bytes)
         };
         match res {
             Ok(pieces) => {
