@@ -65,6 +65,8 @@ tunables! {
         "a WRITE of host memory to a peer's host memory over the network rails of at most this many bytes (all descriptors together, and no more than max_notif_size) goes as one control message carrying its data and its notification, which the target copies in and acknowledges once the bytes are in place: one message each way instead of the writes, the notification and a flush read; 0 turns it off";
     timeout_ms: u64 = U64, "5000", "NIXL_FABRIC_TIMEOUT_MS",
         "a request with no completion for this long fails with NIXL_ERR_REMOTE_DISCONNECT; also bounds every internal wait";
+    plan_at_post: bool = Bool, "true", "NIXL_FABRIC_PLAN_AT_POST",
+        "NIXL adapter: a request's descriptors are checked and planned at its first postXfer (where NIXL's UCX plugin does its per-descriptor work; reposts reuse the plan), so make_prepped_xfer/initialize_xfer cost what the agent's own part costs; false plans in prepXfer, so that a request made ahead of time posts with no per-descriptor work and a bad descriptor fails its creation rather than its first post";
     max_notif_size: u64 = Size, "65536", "NIXL_FABRIC_MAX_NOTIF_SIZE",
         "largest notification message in bytes";
     ctrl_recv_count: u64 = U64, "64", "NIXL_FABRIC_CTRL_RECV_COUNT",
@@ -213,6 +215,7 @@ impl Config {
             notif_behind_data: true,
             eager_write_bytes: 0,
             timeout_ms: 0,
+            plan_at_post: true,
             max_notif_size: 0,
             ctrl_recv_count: 0,
             max_inflight: 0,

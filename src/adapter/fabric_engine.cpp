@@ -137,6 +137,11 @@ FabricEngine<Base>::FabricEngine(const nixlBackendInitParams *init) : Base(init)
                 break;
             }
         }
+        char plan_at[8] = {0};
+        size_t plan_at_len = 0;
+        if (!this->initErr &&
+            nf_config_get(cfg, "plan_at_post", plan_at, sizeof plan_at, &plan_at_len) == NF_SUCCESS)
+            plan_at_post_ = std::string(plan_at, plan_at_len < sizeof plan_at ? plan_at_len : 0) != "false";
         if (!this->initErr && nf_engine_create(init->localAgent.c_str(), cfg, &engine_) != NF_SUCCESS) {
             engine_ = nullptr;
             this->initErr = true;
@@ -308,28 +313,47 @@ nixl_status_t FabricEngine<Base>::disconnect(const std::string &remote_agent) no
 // ---- transfers ---------------------------------------------------------------------------
 
 template <class Base>
+nixl_status_t FabricEngine<Base>::plan(FabricReqH &h, const nixl_xfer_op_t &operation,
+                                       const nixl_meta_dlist_t &local, const nixl_meta_dlist_t &remote,
+                                       const std::string &remote_agent) const {
+    const size_t n = local.descCount();
+    if (remote.descCount() != n)
+        return NIXL_ERR_INVALID_PARAM;
+    // NIXL's descriptors are nf_meta_desc as they lie (ABI doc §4.3): the engine reads
+    // both lists in place, and each descriptor's metadataP names our MD, whose handle it
+    // reads at handle_offset(). A missing MD, or one of the wrong kind in a list (its
+    // handle is then not of the kind that list needs), is refused there.
+    const auto *l = n ? reinterpret_cast<const nf_meta_desc *>(&local[0]) : nullptr;
+    const auto *r = n ? reinterpret_cast<const nf_meta_desc *>(&remote[0]) : nullptr;
+    const nf_status s = nf_request_create_meta(engine_, static_cast<uint32_t>(operation), l, r, n,
+                                               AdapterMD::handle_offset(), remote_agent.c_str(), &h.req);
+    if (s != NF_SUCCESS) {
+        h.req = nullptr;
+        return to_nixl(s);
+    }
+    uint32_t op = 0;
+    h.known = nf_request_info(h.req, &h.bytes, &op) == NF_SUCCESS;
+    h.write = op == NF_OP_WRITE;
+    return NIXL_SUCCESS;
+}
+
+template <class Base>
 nixl_status_t FabricEngine<Base>::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
                                            const nixl_meta_dlist_t &remote, const std::string &remote_agent,
                                            nixlBackendReqH *&handle,
                                            const nixlBackendOptionalArgs *) const noexcept {
     return guarded([&] {
-        const size_t n = local.descCount();
-        if (remote.descCount() != n)
+        if (remote.descCount() != local.descCount() || local.descCount() == 0)
             return NIXL_ERR_INVALID_PARAM;
-        // NIXL's descriptors are nf_meta_desc as they lie (ABI doc §4.3): the engine reads
-        // both lists in place, and each descriptor's metadataP names our MD, whose handle it
-        // reads at handle_offset(). A missing MD, or one of the wrong kind in a list (its
-        // handle is then not of the kind that list needs), is refused there.
-        const auto *l = n ? reinterpret_cast<const nf_meta_desc *>(&local[0]) : nullptr;
-        const auto *r = n ? reinterpret_cast<const nf_meta_desc *>(&remote[0]) : nullptr;
         auto h = std::make_unique<FabricReqH>();
-        const nf_status s = nf_request_create_meta(engine_, static_cast<uint32_t>(operation), l, r, n,
-                                                   AdapterMD::handle_offset(), remote_agent.c_str(), &h->req);
-        if (s != NF_SUCCESS)
-            return to_nixl(s);
-        uint32_t op = 0;
-        h->known = nf_request_info(h->req, &h->bytes, &op) == NF_SUCCESS;
-        h->write = op == NF_OP_WRITE;
+        // With plan_at_post the descriptors wait for the first post, which gets the same
+        // lists (ABI doc §6.4): creation then costs what NIXL's own part of it costs, as
+        // with the UCX plugin, whose per-descriptor work is in its postXfer too.
+        if (!plan_at_post_) {
+            const nixl_status_t s = plan(*h, operation, local, remote, remote_agent);
+            if (s != NIXL_SUCCESS)
+                return s;
+        }
         handle = h.release();
         return NIXL_SUCCESS;
     });
@@ -349,6 +373,11 @@ nixl_status_t FabricEngine<Base>::postXfer(const nixl_xfer_op_t &operation, cons
         FabricReqH *h = as_req(handle);
         if (!h)
             return NIXL_ERR_INVALID_PARAM;
+        if (!h->req) { // first post of a request planned at post (or whose plan failed before)
+            const nixl_status_t s = plan(*h, operation, local, remote, remote_agent);
+            if (s != NIXL_SUCCESS)
+                return account(*h, s);
+        }
         const bool has_notif = opt_args && opt_args->hasNotif;
         const uint8_t *msg = has_notif ? bytes(opt_args->notifMsg) : nullptr;
         const size_t msg_len = has_notif ? opt_args->notifMsg.size() : 0;
@@ -362,6 +391,8 @@ nixl_status_t FabricEngine<Base>::checkXfer(nixlBackendReqH *handle) const noexc
         FabricReqH *h = as_req(handle);
         if (!h)
             return NIXL_ERR_INVALID_PARAM;
+        if (!h->req) // never planned, so never posted
+            return NIXL_ERR_NOT_POSTED;
         return account(*h, to_nixl(nf_request_check(engine_, h->req)));
     });
 }
@@ -389,6 +420,10 @@ nixl_status_t FabricEngine<Base>::releaseReqH(nixlBackendReqH *handle) const noe
         FabricReqH *h = as_req(handle);
         if (!h)
             return NIXL_ERR_INVALID_PARAM;
+        if (!h->req) { // never planned: nothing of the engine's to free
+            delete h;
+            return NIXL_SUCCESS;
+        }
         // Negative (NF_ERR_REPOST_ACTIVE: could not drain in time): the C handle is kept,
         // and so is our wrapper; the agent keeps its request and calls again later, and
         // nf_request_release frees on that second call (ABI doc §6.4, src/capi/mod.rs).

@@ -57,8 +57,10 @@ class FabricReqH final : public nixlBackendReqH {
   public:
     static constexpr uint64_t kMagic = 0x4e46524551484e44ull; // "NFREQHND"
     uint64_t magic = kMagic;
+    // NULL until the request is planned: at prepXfer, or at the first postXfer when
+    // plan_at_post is on (the agent hands postXfer the lists it gave prepXfer).
     nf_request *req = nullptr;
-    // The request's bytes and operation for telemetry, read once at preparation (a post
+    // The request's bytes and operation for telemetry, read once when it is planned (a post
     // that ends at once would otherwise make one more library call).
     uint64_t bytes = 0;
     bool write = false;
@@ -120,6 +122,10 @@ template <class Base> class FabricEngine final : public Base {
 
   private:
     nf_engine *engine_ = nullptr; // NULL only when initErr is set
+    bool plan_at_post_ = true;    // the configuration's plan_at_post, read at construction
+    // Checks and plans a request's descriptors into h->req (NIXL's lists, read in place).
+    nixl_status_t plan(FabricReqH &h, const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                       const nixl_meta_dlist_t &remote, const std::string &remote_agent) const;
 };
 
 // The engine of each NIXL release (instantiated in fabric_engine.cpp).

@@ -257,6 +257,39 @@ def test_repost(ctx, path):
     assert not tgt.notifs.get(ini.name), U.summarize_notifs(tgt.notifs)
 
 
+@pytest.mark.parametrize("plan_at_post", ["true", "false"])
+def test_plan_at_post_or_prep(ctx, plan_at_post):
+    """Where the descriptors are planned (prepXfer, or the first postXfer with plan_at_post)
+    changes no outcome: a handle released unposted, a request posted three times (READ and
+    WRITE, prepped with a notification), and a request whose local list the agent merges."""
+    if U.IS_UCX:
+        pytest.skip("a key of our plugin")
+    ini, tgt = ctx.pair(params={"plan_at_post": plan_at_post})
+    n, size = 64, 16 * KiB
+    L = ctx.region(ini, n, size, seed=21)
+    R = ctx.region(tgt, n, size, seed=22)
+    U.connect(ini, tgt)
+    pl = ini.prep_xfer_dlist("", L.xfer_descs(ini, range(n)))
+    pr = ini.prep_xfer_dlist(tgt.name, R.xfer_descs(ini, range(n)))
+    idx = list(np.random.default_rng(5).permutation(n))
+    never = ini.make_prepped_xfer("WRITE", pl, idx, pr, list(range(n)), b"never")
+    ini.release_xfer_handle(never)
+    for op in ("WRITE", "READ"):
+        h = ini.make_prepped_xfer(op, pl, idx, pr, list(range(n)), b"p-" + op.encode())
+        for i in range(3):
+            U.fill_random(L.buf if op == "WRITE" else R.buf, 300 + i)
+            U.run_xfer(ini, h, notif=b"p-" + op.encode(), target=tgt)
+            if op == "WRITE":
+                U.check_slots(R, list(range(n)), L, idx, f"target after WRITE post {i}")
+            else:
+                U.check_slots(L, idx, R, list(range(n)), f"initiator after READ post {i}")
+        ini.release_xfer_handle(h)
+    ini.release_dlist_handle(pl)
+    ini.release_dlist_handle(pr)
+    tgt.update_notifs()
+    assert not tgt.notifs.get(ini.name), U.summarize_notifs(tgt.notifs)
+
+
 def test_repost_while_active(ctx):
     """Posting a handle that is still in progress is refused (nixlRepostActiveError) or, if it
     has finished meanwhile, accepted; either way the data ends up right."""
