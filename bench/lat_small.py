@@ -7,6 +7,8 @@ A quick latency probe for one size and one progress mode (bench.py measures the 
 
 Environment: SZ bytes (default 4096), N posts (default 20000; the first tenth is warm-up), PROG
 1 or 0 (the agent's progress thread on or off, and with it the backend's), OP WRITE or READ,
+BUF registered bytes per side (1 MiB), TARGET_SPIN=1 the target polls without pausing (as bench.py's
+target does with progress threads off),
 BK the backend (LIBFABRIC, UCX), TAG a label for the output line. Set NIXL_PLUGIN_DIR for ours
 and pin the interface (FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo). The target is a forked child that
 registers 1 MiB of DRAM and polls its notifications every millisecond until told to stop.
@@ -17,6 +19,10 @@ import statistics
 import time
 
 import numpy as np
+
+# Registered bytes per side (BUF): 1 MiB by default; bench.py registers 64 MiB, which the kernel
+# may back with transparent huge pages.
+BUF = int(os.environ.get("BUF", str(1 << 20)))
 
 
 def agent(name, prog):
@@ -31,12 +37,14 @@ def agent(name, prog):
 
 def target(q, done, prog):
     a = agent("lat-target", prog)
-    buf = np.zeros(1 << 20, dtype=np.uint8)
+    buf = np.zeros(BUF, dtype=np.uint8)
     a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     q.put((a.get_agent_metadata(), buf.ctypes.data))
+    spin = os.environ.get("TARGET_SPIN", "0") == "1"
     while not done.is_set():
         a.get_new_notifs()
-        time.sleep(0.001)
+        if not spin:
+            time.sleep(0.001)
 
 
 def main():
@@ -50,7 +58,7 @@ def main():
     p.start()
     md, raddr = q.get()
     a = agent("lat-initiator", prog)
-    buf = np.ones(1 << 20, dtype=np.uint8)
+    buf = np.ones(BUF, dtype=np.uint8)
     a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     a.add_remote_agent(md)
     h = a.initialize_xfer(op, a.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM"),

@@ -4,6 +4,8 @@
 # repository root, with .gpu carried:
 #   OUT=$OUT bash tests/gpu/next-call.sh a     (~200 s on the H100, 2026-12-06)
 #   OUT=$OUT bash tests/gpu/next-call.sh b     (~140 s)
+#   OUT=$OUT bash tests/gpu/next-call.sh c     (~180 s on the H100; 2026-12-06 afternoon)
+#   OUT=$OUT bash tests/gpu/next-call.sh d     (~300 s)
 # a:
 #  1. #24: FI_HMEM between two processes on shm, now registered FI_HMEM_DEVICE_ONLY (shm's
 #     device-to-device IPC protocol; 0.14-0.60x shm's DRAM rate before), and the one-process
@@ -15,6 +17,16 @@
 #  4. #24: packed staging over eight rails with UCX tcp+cuda_copy beside it, DRAM over the same
 #     rails.
 #  5. #23: small transfers over tcp on lo against UCX (notif_latency.py).
+# c (after the plan moved to the first post, plan_at_post):
+#  6. #23: the vLLM pattern at 256 and 1024 blocks, UCX in the same run.
+#  7. #23: the create-only loop (DRAM, one process), ours and UCX alternating three times.
+#  8. #23: same-host DRAM between two processes, default configurations with progress threads
+#     on and off, ours and UCX (bench.py --gpu-host), every bw and kv point.
+# d (the same, repeated, to see the spread of c's results):
+#  9. #23: the vLLM pattern at 256 blocks, 15 fresh requests per backend (c had 5), and ours
+#     again with plan_at_post=false (the plan in prepXfer: create and post as before).
+# 10. #23: same-host DRAM with progress threads off, ours and UCX, twice as the host places
+#     the processes, and once with every process of both backends pinned to cores 2-5.
 # Everything goes into $OUT/next-call-<a|b>.tar.xz and the summaries to stdout.
 set -u
 B=${B:-$(pwd)/.gpu}
@@ -23,7 +35,7 @@ W=$(mktemp -d)
 run() {  # name, seconds, environment...: one run-gpu.sh section, its output kept and shown
   local name=$1 t=$2; shift 2
   echo "=== $name"
-  env "$@" OUT="$W" timeout -k 5 "$t" bash "$B/run-gpu.sh" > "$W/$name.txt" 2>&1
+  env "$@" OUT="$W/$name" timeout -k 5 "$t" ${PIN:-} bash "$B/run-gpu.sh" > "$W/$name.txt" 2>&1
   echo "exit $?" >> "$W/$name.txt"
   grep -v "NIXL INFO" "$W/$name.txt" | tail -40
 }
@@ -47,6 +59,25 @@ b)
   run staging 170 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_TAG=-r8 NIXL_FABRIC_RAILS=8 \
     STAGING_ONLY="VRAM->VRAM 1x64MiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 1024x16KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
   run notif 140 RUN_GPU_ONLY=notif NOTIF_BUDGET=120
+  ;;
+c)
+  run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
+  (
+    echo "=== create_loop (DRAM, one process, 4096 and 16384 descriptors)"
+    for layers in 8 32; do for r in 1 2 3; do for bk in LIBFABRIC UCX; do
+      if [ $bk = LIBFABRIC ]; then e="NIXL_PLUGIN_DIR=$B/plugins"; else e="UCX_MODULES=^ib UCX_NET_DEVICES=lo"; fi
+      env $e BK=$bk LAYERS=$layers BLOCKS=256 N=1500 PYTHONPATH=/tmp/nixl/site timeout 60 python3 "$B/create_loop.py" 2>&1 | grep -v INFO | tail -1
+    done; done; done
+  ) 2>&1 | tee "$W/create_loop.txt"
+  run dram 360 RUN_GPU_ONLY=dram DRAM_CONFIGS=ours-tcp-default,ucx,ours-dflt-np,ucx-np DRAM_BUDGET=280
+  ;;
+d)
+  V="--requests 256 --variants random --no-gather --reps 15 --reposts 1"
+  run vllm 130 RUN_GPU_ONLY=vllm VLLM_BUDGET=100 VLLM_ARGS="$V --point-s 35"
+  run vllm-prep 50 RUN_GPU_ONLY=vllm VLLM_BUDGET=35 NIXL_FABRIC_PLAN_AT_POST=false VLLM_ARGS="$V --backends LIBFABRIC"
+  run dram-np1 100 RUN_GPU_ONLY=dram DRAM_CONFIGS=ours-dflt-np,ucx-np DRAM_BUDGET=80
+  run dram-np2 100 RUN_GPU_ONLY=dram DRAM_CONFIGS=ours-dflt-np,ucx-np DRAM_BUDGET=80
+  PIN="taskset -c 2-5" run dram-pin 100 RUN_GPU_ONLY=dram DRAM_CONFIGS=ours-dflt-np,ucx-np DRAM_BUDGET=80
   ;;
 esac
 tar -C "$W" -cJf "$OUT/next-call-${1:-a}.tar.xz" .
