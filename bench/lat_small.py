@@ -11,7 +11,8 @@ BUF registered bytes per side (1 MiB), TARGET_SPIN=1 the target polls without pa
 target does with progress threads off),
 BK the backend (LIBFABRIC, UCX), TAG a label for the output line. Set NIXL_PLUGIN_DIR for ours
 and pin the interface (FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo). The target is a forked child that
-registers 1 MiB of DRAM and polls its notifications every millisecond until told to stop.
+registers BUF bytes of DRAM and polls its notifications every millisecond (or without pause,
+TARGET_SPIN=1) until told to stop.
 """
 import multiprocessing as mp
 import os

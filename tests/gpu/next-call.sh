@@ -27,7 +27,8 @@
 #     again with plan_at_post=false (the plan in prepXfer: create and post as before).
 # 10. #23: same-host DRAM with progress threads off, ours and UCX, twice as the host places
 #     the processes, and once with every process of both backends pinned to cores 2-5.
-# Everything goes into $OUT/next-call-<a|b>.tar.xz and the summaries to stdout.
+# Everything goes into $OUT/next-call-<a|b|c|d>.tar.xz (each section's results under its own
+# name) and the summaries to stdout.
 set -u
 B=${B:-$(pwd)/.gpu}
 : "${OUT:?set OUT}"

@@ -260,8 +260,8 @@ def test_repost(ctx, path):
 @pytest.mark.parametrize("plan_at_post", ["true", "false"])
 def test_plan_at_post_or_prep(ctx, plan_at_post):
     """Where the descriptors are planned (prepXfer, or the first postXfer with plan_at_post)
-    changes no outcome: a handle released unposted, a request posted three times (READ and
-    WRITE, prepped with a notification), and a request whose local list the agent merges."""
+    changes no outcome: a handle released unposted, and a request posted three times (READ and
+    WRITE, prepped in a shuffled local order with a notification), bytes checked each time."""
     if U.IS_UCX:
         pytest.skip("a key of our plugin")
     ini, tgt = ctx.pair(params={"plan_at_post": plan_at_post})
