@@ -82,6 +82,12 @@ OPS = ["WRITE", "READ"]
 CPU_BLOCKS = 4096                    # transfer() CPU time is measured on WRITE 4096 x 4 KiB
 XFER_TIMEOUT_S = 30.0                # one post that takes longer than this aborts the config
 STREAMS = [1, 2, 4, 8]               # raw TCP baselines with this many parallel streams
+# Registered buffers start on a 2 MiB boundary. Where malloc's mapping of a 64 MiB array lands
+# depends on what the process mapped before (each backend maps its own), and a copy from or to
+# a range that lies before the mapping's first whole 2 MiB frame runs on 4 KiB pages: the same
+# 64 KiB process_vm_writev took 5.3 us there and 4.3 us on huge pages (2-core VM, 2026-12-06),
+# which made one backend look faster than the other by where its buffers fell.
+HUGE = 2 * MiB
 
 # Iteration policy per profile: enough posts per point for a median, bounded in bytes and in
 # seconds so a slow backend cannot stretch the run. idle_s: idle-CPU measurement of one engine
@@ -98,6 +104,14 @@ GPUHOST = {"byte_budget": 128 * MiB, "min_iters": 5, "max_iters": 50, "max_point
            "memcpy_runs": 10, "tcp_runs": 5, "idle_s": 3.0, "config_s": 90}
 PROFILES = {"full": POLICY, "quick": QUICK, "gpu-host": GPUHOST}
 IDLE_S = POLICY["idle_s"]
+
+
+def aligned_zeros(n):
+    """n zero bytes starting on a HUGE boundary, every page touched."""
+    raw = np.zeros(n + 2 * HUGE, dtype=np.uint8)
+    start = -raw.ctypes.data % HUGE
+    raw[:] = 0
+    return raw[start:start + n]
 
 
 def ours_tcp(rails):
@@ -333,8 +347,7 @@ def serve_target(backend, fin, fout):
         fout.write(line + "\n")
         fout.flush()
     agent = make_agent("bench-target", backend)
-    buf = np.zeros(SPAN, dtype=np.uint8)
-    buf[:] = 0  # touch every page before registration
+    buf = aligned_zeros(SPAN)
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     src = np.random.default_rng(2).integers(0, 256, SPAN + 4 * KiB, dtype=np.uint8)
     emit(f"META {agent.get_agent_metadata().hex()} {buf.ctypes.data}")
@@ -409,8 +422,7 @@ class Initiator:
         meta_hex, addr = self.hear("META").split()
         self.rbase = int(addr)
         self.agent = make_agent("bench-init", backend)
-        self.loc = np.zeros(SPAN, dtype=np.uint8)
-        self.loc[:] = 0
+        self.loc = aligned_zeros(SPAN)
         self.reg = self.agent.register_memory([(self.loc.ctypes.data, SPAN, 0, "")], "DRAM")
         self.src = np.random.default_rng(1).integers(0, 256, SPAN + 4 * KiB, dtype=np.uint8)
         self.agent.add_remote_agent(bytes.fromhex(meta_hex))

@@ -24,6 +24,22 @@ import numpy as np
 # Registered bytes per side (BUF): 1 MiB by default; bench.py registers 64 MiB, which the kernel
 # may back with transparent huge pages.
 BUF = int(os.environ.get("BUF", str(1 << 20)))
+# Where the buffers start within a 2 MiB frame (HUGE_OFF bytes past a 2 MiB boundary; "none":
+# wherever malloc puts them). A copy's speed depends on whether its pages are huge, and where
+# malloc's mapping lands depends on what each backend mapped before: an aligned start gives
+# both backends the same pages.
+HUGE_OFF = os.environ.get("HUGE_OFF", "0")
+
+
+def buffer(fill):
+    """BUF bytes of `fill`, starting HUGE_OFF bytes past a 2 MiB boundary."""
+    if HUGE_OFF == "none":
+        return np.full(BUF, fill, dtype=np.uint8)
+    raw = np.empty(BUF + (4 << 20), dtype=np.uint8)
+    start = -raw.ctypes.data % (2 << 20) + int(HUGE_OFF)
+    buf = raw[start:start + BUF]
+    buf[:] = fill
+    return buf
 
 
 def agent(name, prog):
@@ -38,7 +54,7 @@ def agent(name, prog):
 
 def target(q, done, prog):
     a = agent("lat-target", prog)
-    buf = np.zeros(BUF, dtype=np.uint8)
+    buf = buffer(0)
     a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     q.put((a.get_agent_metadata(), buf.ctypes.data))
     spin = os.environ.get("TARGET_SPIN", "0") == "1"
@@ -57,9 +73,9 @@ def main():
     q, done = mp.Queue(), mp.Event()
     p = mp.Process(target=target, args=(q, done, prog))
     p.start()
-    md, raddr = q.get()
+    md, raddr = q.get(timeout=120)  # a target that died never answers
     a = agent("lat-initiator", prog)
-    buf = np.ones(BUF, dtype=np.uint8)
+    buf = buffer(1)
     a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     a.add_remote_agent(md)
     h = a.initialize_xfer(op, a.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM"),
