@@ -33,6 +33,29 @@ const POLL_BATCH: usize = 64;
 /// Longest a run of local passes (Driver::pass_local) goes without a full one.
 const LOCAL_PASS_MAX_GAP: Duration = Duration::from_micros(500);
 
+/// Which completion queues a pass made on a caller's thread reads.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum PassKind {
+    /// Every rail's (Driver::pass).
+    Full,
+    /// Only those of rails that complete inside the post call (Driver::pass_post).
+    Post,
+    /// None: local copies only (Driver::pass_local).
+    Local,
+}
+
+impl PassKind {
+    /// The pass for posting a request (`local`: it moves by local copies only).
+    pub fn posting(local: bool) -> PassKind {
+        if local { PassKind::Local } else { PassKind::Post }
+    }
+
+    /// The pass for polling a request or the engine.
+    pub fn polling(local: bool) -> PassKind {
+        if local { PassKind::Local } else { PassKind::Full }
+    }
+}
+
 /// What one pass did.
 #[derive(Clone, Copy, Debug)]
 pub struct Pass {
@@ -186,8 +209,31 @@ impl Driver {
     /// still outstanding, so the progress thread can pick between passing again, a short
     /// nap, and a long one.
     pub fn pass(&mut self) -> Pass {
+        self.pass_reading(|_| true)
+    }
+
+    /// The pass a post makes on the caller's thread: starts what was handed over and reads
+    /// only the completion queues of rails that complete inside the post call (shm's fast
+    /// RMA; the request may then be done when the post returns). Reading a tcp rail's
+    /// queue right after posting runs the provider's progress (a poll of its sockets) that
+    /// finds nothing yet: a quarter of a 4 KiB READ's transfer() (tcp, progress off, CPU
+    /// VM, perf); the first poll of the request reads it. As with pass_local, a full pass
+    /// runs instead when the last one is older than LOCAL_PASS_MAX_GAP.
+    pub fn pass_post(&mut self) -> Pass {
+        if self.last_full.elapsed() >= LOCAL_PASS_MAX_GAP {
+            return self.pass();
+        }
+        self.pass_reading(|p| p.caps().sync_rma)
+    }
+
+    /// One pass that reads the completion queues of the rails `read` picks (all of them:
+    /// a full pass, which the progress thread's naps and LOCAL_PASS_MAX_GAP count on).
+    fn pass_reading(&mut self, read: impl Fn(&dyn Port) -> bool) -> Pass {
         add(&self.core.counters.progress_passes, 1);
-        self.last_full = Instant::now();
+        let full = (0..self.rails.len()).all(|r| read(&*self.rails[r]));
+        if full {
+            self.last_full = Instant::now();
+        }
         self.ctxs.apply(&self.core);
         for mr in super::registry::CloseQueue::drain(&self.core.closeq) {
             drop(mr);
@@ -203,7 +249,9 @@ impl Driver {
         self.flush_ctrl();
         let mut got = 0;
         for r in 0..self.rails.len() {
-            got += self.poll_rail(r);
+            if read(&*self.rails[r]) {
+                got += self.poll_rail(r);
+            }
         }
         // Completions may have freed queue slots: post again in the same pass.
         if got > 0 {
@@ -238,9 +286,13 @@ impl Driver {
         Pass { did: took, pending: busy || self.has_pending() }
     }
 
-    /// A local pass where `local` (Driver::pass_local), else a full one.
-    pub fn pass_for(&mut self, local: bool) -> Pass {
-        if local { self.pass_local() } else { self.pass() }
+    /// A pass of the kind asked for.
+    pub fn pass_of(&mut self, kind: PassKind) -> Pass {
+        match kind {
+            PassKind::Full => self.pass(),
+            PassKind::Post => self.pass_post(),
+            PassKind::Local => self.pass_local(),
+        }
     }
 
     /// Lets every transport move its work on, then applies what ended and sends the control

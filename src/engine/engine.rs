@@ -3,7 +3,7 @@
 //! with the thread off, by the caller that locks it; callers hand it work through the inbox.
 use super::core::Core;
 use super::counters::{self, CounterSnapshot, RailCounterSnapshot};
-use super::driver::Driver;
+use super::driver::{Driver, PassKind};
 use super::ids::{host_id, random_u64};
 use super::inbox::{Inbox, Submit};
 use super::ipc_cache::IpcEntry;
@@ -569,8 +569,8 @@ impl Engine {
         let small = req.segs.len() <= INLINE_POST_SEGS && req.bytes <= INLINE_POST_BYTES;
         self.inbox.push(Submit::Post(req.clone()));
         if !self.threaded {
-            self.lock_driver().pass_for(local);
-        } else if local && small && self.caller_pass(true) {
+            self.lock_driver().pass_of(PassKind::posting(local));
+        } else if local && small && self.caller_pass(PassKind::Local) {
             // Copies this process makes, started (and as a rule finished) by the caller's
             // own pass: the progress thread has nothing to do for them, so a sleeping one is
             // left asleep. Waking it cost an eventfd write and a thread that then contends
@@ -581,27 +581,27 @@ impl Engine {
                 // A small request starts on the caller's thread when the rails are free (as
                 // in check()): its latency then does not wait for the progress thread's
                 // turn. Large ones are left to the thread, so that posting stays cheap.
-                self.caller_pass(local);
+                self.caller_pass(PassKind::posting(local));
             }
         }
         Ok(req.status())
     }
 
-    /// One progress pass on the caller's thread, if allowed (config caller_progress; no
-    /// CUDA contexts registered) and no other thread holds the rails; `local`: a pass for
-    /// local copies only (Driver::pass_local). Returns whether it ran.
-    fn caller_pass(&self, local: bool) -> bool {
+    /// One progress pass of `kind` on the caller's thread, if allowed (config
+    /// caller_progress; no CUDA contexts registered) and no other thread holds the rails.
+    /// Returns whether it ran.
+    fn caller_pass(&self, kind: PassKind) -> bool {
         // A pass makes the captured CUDA context current on the thread that runs it, and
         // the caller's thread is not ours to change.
         if !self.core.cfg.caller_progress || self.core.gpu.has_contexts() {
             return false;
         }
         let Ok(mut d) = self.driver.try_lock() else { return false };
-        d.pass_for(local);
+        d.pass_of(kind);
         drop(d);
-        // A local pass is no caller carrying the engine: the progress thread keeps reading
-        // the rails.
-        if !local {
+        // Only a full pass is a caller carrying the engine: after the others the progress
+        // thread keeps reading the rails.
+        if kind == PassKind::Full {
             self.core.note_caller_pass();
         }
         true
@@ -614,7 +614,7 @@ impl Engine {
         }
         let local = req.local_post();
         if !self.threaded {
-            self.lock_driver().pass_for(local);
+            self.lock_driver().pass_of(PassKind::polling(local));
             return req.status();
         }
         // A caller polling for its request would otherwise wait for the progress thread to
@@ -622,7 +622,7 @@ impl Engine {
         // (4 ms) per completion. So the poller makes the pass itself when the rails are
         // free (measured, 4-64 KiB WRITE between two processes: shm 7-8 -> 2.5-3.5 us, tcp
         // 35-43 -> 21-29 us).
-        if self.caller_pass(local) {
+        if self.caller_pass(PassKind::polling(local)) {
             return req.status();
         }
         s
@@ -685,7 +685,7 @@ impl Engine {
             // notification is seen) receives it on its own thread, as a poller of its own
             // request does in check(): else the notification waits for the progress
             // thread's turn on the cores.
-            self.caller_pass(false);
+            self.caller_pass(PassKind::Full);
         }
         self.core.take_notifs()
     }
@@ -709,7 +709,7 @@ impl Engine {
             if let Ok(mut d) = self.driver.try_lock() {
                 d.send_ctrl(&p, wire::CtrlType::Notif, msg, None)?;
                 drop(d);
-                if !self.caller_pass(false) {
+                if !self.caller_pass(PassKind::Full) {
                     self.core.wake();
                 }
                 return Ok(());

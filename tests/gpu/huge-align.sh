@@ -7,7 +7,7 @@ B=$(pwd)/.gpu
 export PYTHONPATH=/tmp/nixl/site FI_TCP_IFACE=lo NIXL_FABRIC_IFACE=lo UCX_MODULES=^ib UCX_NET_DEVICES=lo
 RUN_GPU_ONLY=latsmall LATSMALL_N=10 LATSMALL_SIZES=4096 bash $B/run-gpu.sh >/dev/null 2>&1
 envof() { if [ $1 = LIBFABRIC ]; then echo "NIXL_PLUGIN_DIR=$B/plugins"; else echo "X=1"; fi; }
-for r in 1 2; do for off in none 0; do for sz in 4096 65536 1048576; do for op in WRITE READ; do for bk in LIBFABRIC UCX; do
+for r in $(seq ${REPS:-1}); do for off in none 0; do for sz in ${SIZES:-65536 1048576}; do for op in WRITE READ; do for bk in LIBFABRIC UCX; do
   echo -n "off=$off "
   env $(envof $bk) BUF=67108864 HUGE_OFF=$off TARGET_SPIN=1 SZ=$sz N=10000 OP=$op PROG=0 BK=$bk TAG=$bk \
     timeout 60 python3 $B/lat_small.py 2>/dev/null | grep median || echo "$bk $op $sz failed"
