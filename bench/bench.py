@@ -90,16 +90,17 @@ STREAMS = [1, 2, 4, 8]               # raw TCP baselines with this many parallel
 HUGE = 2 * MiB
 
 # Iteration policy per profile: enough posts per point for a median, bounded in bytes and in
-# seconds so a slow backend cannot stretch the run. idle_s: idle-CPU measurement of one engine
+# seconds so a slow backend cannot stretch the run. Small points take up to max_iters posts
+# (a 4 KiB post is microseconds: the median of 50 moved by 10 % between runs of the same build). idle_s: idle-CPU measurement of one engine
 # (issue: "measure idle CPU for 10 s"); config_s: bound on one configuration's processes.
-POLICY = {"byte_budget": 256 * MiB, "min_iters": 5, "max_iters": 100, "max_point_s": 3.0,
+POLICY = {"byte_budget": 256 * MiB, "min_iters": 5, "max_iters": 1000, "max_point_s": 3.0,
           "warmup": 2, "lat_iters": 2000, "lat_warmup": 100,
           "memcpy_runs": 10, "tcp_runs": 5, "idle_s": 10.0, "config_s": 300}
-QUICK = {"byte_budget": 32 * MiB, "min_iters": 3, "max_iters": 20, "max_point_s": 1.0,
+QUICK = {"byte_budget": 32 * MiB, "min_iters": 3, "max_iters": 200, "max_point_s": 1.0,
          "warmup": 1, "lat_iters": 300, "lat_warmup": 20,
          "memcpy_runs": 4, "tcp_runs": 2, "idle_s": 3.0, "config_s": 150}
 # The GPU host (16 cores): every point of every DRAM configuration within ~7 minutes.
-GPUHOST = {"byte_budget": 128 * MiB, "min_iters": 5, "max_iters": 50, "max_point_s": 1.0,
+GPUHOST = {"byte_budget": 128 * MiB, "min_iters": 5, "max_iters": 1000, "max_point_s": 1.0,
            "warmup": 2, "lat_iters": 1000, "lat_warmup": 50,
            "memcpy_runs": 10, "tcp_runs": 5, "idle_s": 3.0, "config_s": 90}
 PROFILES = {"full": POLICY, "quick": QUICK, "gpu-host": GPUHOST}

@@ -286,6 +286,15 @@ impl Driver {
         Pass { did: took, pending: busy || self.has_pending() }
     }
 
+    /// A post by the caller that holds the driver (progress thread off): started after
+    /// whatever was handed over before it, without the trip through the inbox (two locks
+    /// of a 4 KiB same-host WRITE's ~2 us), then a pass of `kind`.
+    pub fn post_now(&mut self, req: Arc<Request>, kind: PassKind) -> Pass {
+        self.drain_inbox();
+        self.begin(req);
+        self.pass_of(kind)
+    }
+
     /// A pass of the kind asked for.
     pub fn pass_of(&mut self, kind: PassKind) -> Pass {
         match kind {

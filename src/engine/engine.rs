@@ -567,10 +567,12 @@ impl Engine {
         }
         counters::add(&self.core.counters.requests_posted, 1);
         let small = req.segs.len() <= INLINE_POST_SEGS && req.bytes <= INLINE_POST_BYTES;
-        self.inbox.push(Submit::Post(req.clone()));
         if !self.threaded {
-            self.lock_driver().pass_of(PassKind::posting(local));
-        } else if local && small && self.caller_pass(PassKind::Local) {
+            self.lock_driver().post_now(req.clone(), PassKind::posting(local));
+            return Ok(req.status());
+        }
+        self.inbox.push(Submit::Post(req.clone()));
+        if local && small && self.caller_pass(PassKind::Local) {
             // Copies this process makes, started (and as a rule finished) by the caller's
             // own pass: the progress thread has nothing to do for them, so a sleeping one is
             // left asleep. Waking it cost an eventfd write and a thread that then contends
