@@ -561,7 +561,6 @@ impl Engine {
             st.marks.lost_sends = 0;
             st.flushing = false;
             st.phase = Phase::Data;
-            st.last_progress = Instant::now();
             req.set_status(Status::NF_IN_PROG);
             req.set_local_post(local);
         }

@@ -103,11 +103,17 @@ impl PidFd {
     /// before a copy, which guards against writing into a reused pid (a pid is not reused
     /// within microseconds of its process's exit: the pid space has to wrap first).
     pub fn exited_since(&self, age: Duration) -> bool {
+        self.exited_since_at(age, Instant::now())
+    }
+
+    /// As `exited_since`, with the time taken by the caller (a pass reads the clock once).
+    pub fn exited_since_at(&self, age: Duration, now: Instant) -> bool {
         let seen = self.1.load(Ordering::Relaxed);
         if seen == EXITED {
             return true;
         }
-        if seen != 0 && (SINCE.elapsed().as_nanos() as u64).saturating_sub(seen) <= age.as_nanos() as u64 {
+        let now_ns = now.saturating_duration_since(*SINCE).as_nanos() as u64;
+        if seen != 0 && now_ns.saturating_sub(seen) <= age.as_nanos() as u64 {
             return false;
         }
         self.exited()
@@ -152,8 +158,13 @@ impl Locality {
     /// As `alive`, but a same-host process seen alive within `age` is not polled again
     /// (see PidFd::exited_since).
     pub fn alive_within(&self, age: Duration) -> bool {
+        self.alive_within_at(age, Instant::now())
+    }
+
+    /// As `alive_within`, with the time taken by the caller.
+    pub fn alive_within_at(&self, age: Duration, now: Instant) -> bool {
         match self {
-            Locality::SameHost(Some(fd)) => !fd.exited_since(age),
+            Locality::SameHost(Some(fd)) => !fd.exited_since_at(age, now),
             _ => self.alive(),
         }
     }

@@ -412,7 +412,7 @@ impl Bench {
     }
 
     pub fn cx(&mut self) -> Cx<'_> {
-        Cx { core: &self.core, rails: &self.rails, ops: &mut self.ops, conns: &mut self.conns, slots: &mut self.slots, out: &mut self.out, ctrl_room: 4096 }
+        Cx { core: &self.core, rails: &self.rails, ops: &mut self.ops, conns: &mut self.conns, slots: &mut self.slots, out: &mut self.out, ctrl_room: 4096, now: std::time::Instant::now() }
     }
 
     /// A remote peer reached over every rail pair (rail i <-> its rail i), whose rail 0

@@ -76,6 +76,8 @@ pub struct Cx<'a> {
     pub out: &'a mut Vec<Outcome>,
     /// Room for a control message's payload.
     pub ctrl_room: usize,
+    /// When the pass began (Driver::now).
+    pub now: std::time::Instant,
 }
 
 impl Cx<'_> {

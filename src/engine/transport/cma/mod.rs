@@ -133,7 +133,7 @@ impl Transport for Cma {
         // that starts passes after the request's first. Seen alive by the check after the
         // previous copy moments ago counts: one poll per small transfer instead of two (the
         // two polls were 11 % of a 4 KiB WRITE loop's samples, perf on the CI VM).
-        if let Some(p) = req.peer().filter(|p| !p.local.alive_within(RECENTLY_ALIVE)) {
+        if let Some(p) = req.peer().filter(|p| !p.local.alive_within_at(RECENTLY_ALIVE, cx.now)) {
             return Start::failed(0, 0, Error::Disconnected(format!("agent '{}' exited", p.name)));
         }
         let run = &req.segs[at..end];
