@@ -91,8 +91,9 @@ HUGE = 2 * MiB
 
 # Iteration policy per profile: enough posts per point for a median, bounded in bytes and in
 # seconds so a slow backend cannot stretch the run. Small points take up to max_iters posts
-# (a 4 KiB post is microseconds: the median of 50 moved by 10 % between runs of the same build). idle_s: idle-CPU measurement of one engine
-# (issue: "measure idle CPU for 10 s"); config_s: bound on one configuration's processes.
+# (a 4 KiB post is microseconds: the median of 50 moved by 10 % between runs of the same
+# build). idle_s: idle-CPU measurement of one engine (issue: "measure idle CPU for 10 s");
+# config_s: bound on one configuration's processes.
 POLICY = {"byte_budget": 256 * MiB, "min_iters": 5, "max_iters": 1000, "max_point_s": 3.0,
           "warmup": 2, "lat_iters": 2000, "lat_warmup": 100,
           "memcpy_runs": 10, "tcp_runs": 5, "idle_s": 10.0, "config_s": 300}

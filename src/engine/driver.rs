@@ -230,10 +230,16 @@ impl Driver {
     /// runs instead when the last one is older than LOCAL_PASS_MAX_GAP.
     pub fn pass_post(&mut self) -> Pass {
         let now = Instant::now();
-        if now.saturating_duration_since(self.last_full) >= LOCAL_PASS_MAX_GAP {
+        if self.full_pass_due(now) {
             return self.pass_reading(now, |_| true);
         }
         self.pass_reading(now, |p| p.caps().sync_rma)
+    }
+
+    /// Whether the last full pass is older than LOCAL_PASS_MAX_GAP: the lighter passes
+    /// (post, local) then make a full one instead, so the rails are still served.
+    fn full_pass_due(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.last_full) >= LOCAL_PASS_MAX_GAP
     }
 
     /// One pass, begun at `now`, that reads the completion queues of the rails `read` picks
@@ -287,7 +293,7 @@ impl Driver {
     /// copies with the progress thread off still serves the rails.
     pub fn pass_local(&mut self) -> Pass {
         let now = Instant::now();
-        if now.saturating_duration_since(self.last_full) >= LOCAL_PASS_MAX_GAP {
+        if self.full_pass_due(now) {
             return self.pass_reading(now, |_| true);
         }
         self.now = now;
@@ -363,7 +369,7 @@ impl Driver {
             }
             if !req.keeps.is_empty() {
                 // A direct copy into a dead peer's memory would succeed: ask first.
-                if !peer.local.alive_within(super::local_peers::RECENTLY_ALIVE) {
+                if !peer.local.alive_within_at(super::local_peers::RECENTLY_ALIVE, self.now) {
                     log::error!("{}: agent '{}' on this host has exited; disconnecting", self.core.name, peer.name);
                     peer.mark_disconnected();
                     drop(st);

@@ -102,12 +102,8 @@ impl PidFd {
     /// Whether the process was seen alive within `age`, polling only if not: for the check
     /// before a copy, which guards against writing into a reused pid (a pid is not reused
     /// within microseconds of its process's exit: the pid space has to wrap first).
-    pub fn exited_since(&self, age: Duration) -> bool {
-        self.exited_since_at(age, Instant::now())
-    }
-
-    /// As `exited_since`, with the time taken by the caller (a pass reads the clock once).
-    pub fn exited_since_at(&self, age: Duration, now: Instant) -> bool {
+    /// `now` is the caller's clock reading (a pass reads the clock once).
+    pub fn exited_since(&self, age: Duration, now: Instant) -> bool {
         let seen = self.1.load(Ordering::Relaxed);
         if seen == EXITED {
             return true;
@@ -164,7 +160,7 @@ impl Locality {
     /// As `alive_within`, with the time taken by the caller.
     pub fn alive_within_at(&self, age: Duration, now: Instant) -> bool {
         match self {
-            Locality::SameHost(Some(fd)) => !fd.exited_since_at(age, now),
+            Locality::SameHost(Some(fd)) => !fd.exited_since(age, now),
             _ => self.alive(),
         }
     }
@@ -198,11 +194,11 @@ mod tests {
     fn pidfd_reuses_a_recent_alive_poll_only_within_its_age() {
         let mut child = std::process::Command::new("sleep").arg("5").spawn().expect("spawn sleep");
         let fd = PidFd::open(child.id()).expect("pidfd_open");
-        assert!(!fd.exited_since(Duration::ZERO), "never polled: polls, alive");
+        assert!(!fd.exited_since(Duration::ZERO, Instant::now()), "never polled: polls, alive");
         child.kill().expect("kill");
         let _ = child.wait();
-        assert!(!fd.exited_since(Duration::from_secs(60)), "seen alive moments ago counts");
-        assert!(fd.exited_since(Duration::ZERO), "a fresh poll sees the exit");
-        assert!(fd.exited_since(Duration::from_secs(60)), "an exit is never cached away");
+        assert!(!fd.exited_since(Duration::from_secs(60), Instant::now()), "seen alive moments ago counts");
+        assert!(fd.exited_since(Duration::ZERO, Instant::now()), "a fresh poll sees the exit");
+        assert!(fd.exited_since(Duration::from_secs(60), Instant::now()), "an exit is never cached away");
     }
 }
