@@ -108,6 +108,15 @@ pub struct Driver {
     /// When this pass began: the one clock reading its steps share (a 4 KiB same-host WRITE
     /// read the clock three times, 9 % of its postXfer on the H100 host).
     now: Instant,
+    /// Whether this pass reads every rail's queue (a full pass).
+    full_now: bool,
+    /// The provider pushed back (FI_EAGAIN) the last time the control queue was sent.
+    /// Only full passes try again: a send that rxm refuses while its connection is being
+    /// set up runs its connection progress (an epoll_wait) on every try, and a caller
+    /// posting same-host copies with the progress thread off made a light pass, and with
+    /// it one such try, per 4 KiB WRITE for the ~20 ms the set-up took (2.3 instead of
+    /// 1.9 us each, CPU VM: bench.py's 1000-post small points fell inside that window).
+    ctrl_pushed_back: bool,
     /// A post handed over directly by the caller holding the driver (Driver::post_now),
     /// begun after the inbox's work.
     handed: Option<Arc<Request>>,
@@ -151,6 +160,8 @@ impl Driver {
             probe_now: false,
             last_sweep: Instant::now(),
             last_full: Instant::now(),
+            full_now: true,
+            ctrl_pushed_back: false,
             now: Instant::now(),
             handed: None,
             next_key: 16,
@@ -249,6 +260,7 @@ impl Driver {
         add(&self.core.counters.progress_passes, 1);
         self.now = now;
         let full = (0..self.rails.len()).all(|r| read(&*self.rails[r]));
+        self.full_now = full;
         if full {
             self.last_full = self.now;
         }
@@ -297,6 +309,7 @@ impl Driver {
             return self.pass_reading(now, |_| true);
         }
         self.now = now;
+        self.full_now = false;
         add(&self.core.counters.local_passes, 1);
         self.ctxs.apply(&self.core);
         let took = self.drain_inbox();
@@ -719,10 +732,11 @@ impl Driver {
     }
 
     fn flush_ctrl(&mut self) {
-        if self.ctrl.queue.is_empty() {
+        if self.ctrl.queue.is_empty() || (self.ctrl_pushed_back && !self.full_now) {
             return;
         }
         let (failed, again) = self.ctrl.flush(&*self.rails[0], &mut self.ops, CtrlType::Notif as u8, wire::CTRL_TYPE_OFFSET);
+        self.ctrl_pushed_back = again;
         if again {
             add(&self.core.counters.retries, 1);
         }

@@ -273,3 +273,32 @@ fn a_local_pass_moves_local_copies_without_reading_the_rails_and_a_full_pass_fol
     d.pass_local();
     assert!(b.fakes.iter().zip(&polls).all(|(f, p)| f.polls() > *p), "the rails are read once the gap has passed");
 }
+
+#[test]
+fn a_pushed_back_control_send_is_tried_again_by_full_passes_only_and_then_goes() {
+    let mut b = Bench::new(2, true);
+    let peer = b.peer(1, Locality::Remote);
+    let (mut d, _inbox) = driver(&b);
+    // The provider refuses every send (rxm while its connection is being set up).
+    b.fakes[0].refuse_all(true);
+    d.send_ctrl(&peer, CtrlType::Notif, b"held", None).expect("queued");
+    d.pass();
+    let tried = b.fakes[0].tries();
+    assert!(tried > 0, "a full pass tries the queue");
+    let t0 = Instant::now();
+    for _ in 0..200 {
+        d.pass_local();
+        d.pass_post();
+    }
+    // Light passes leave it alone; only the full passes that LOCAL_PASS_MAX_GAP forces
+    // among them (one per 500 us gone by) try again.
+    let full_ones = t0.elapsed().as_micros() as usize / 500 + 1;
+    assert!(b.fakes[0].tries() - tried <= full_ones, "{} tries in {full_ones} full passes", b.fakes[0].tries() - tried);
+    b.fakes[0].refuse_all(false);
+    d.pass();
+    assert_eq!(notifs_sent(&b.fakes[0]), vec![b"held".to_vec()], "the next full pass sends it");
+    // Once the queue went, light passes send what is queued again.
+    d.send_ctrl(&peer, CtrlType::Notif, b"next", None).expect("queued");
+    d.pass_local();
+    assert_eq!(notifs_sent(&b.fakes[0]), vec![b"held".to_vec(), b"next".to_vec()]);
+}

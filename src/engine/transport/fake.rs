@@ -55,6 +55,8 @@ struct State {
     held_polls: usize,
     /// Reads of the completion queue so far.
     polls: usize,
+    /// Posts tried so far (sends and RMA), refused ones included.
+    tries: usize,
     recvs: VecDeque<(*mut u8, usize, *mut c_void)>,
     sends: Vec<Vec<u8>>,
     /// Every accepted post in order: W write, R read, N notification send, C other send.
@@ -198,6 +200,11 @@ impl FakePort {
     }
 
     /// How often the completion queue was read.
+    /// Posts tried so far, refused ones included.
+    pub fn tries(&self) -> usize {
+        self.st().tries
+    }
+
     pub fn polls(&self) -> usize {
         self.st().polls
     }
@@ -224,6 +231,7 @@ impl FakePort {
 
     /// The answer to the next post.
     fn answer(s: &mut State) -> Answer {
+        s.tries += 1;
         if s.refuse_all {
             return Answer::Again;
         }
