@@ -6,5 +6,6 @@ pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod fabric;
+pub mod hinted;
 pub mod logging;
 mod plugin;

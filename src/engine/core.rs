@@ -7,6 +7,7 @@ use super::ipc_cache::IpcCache;
 use super::local_peers::ProcessView;
 use super::registry::{GpuRegistry, SharedCloseQueue};
 use crate::config::Config;
+use crate::hinted::Hinted;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -35,7 +36,7 @@ pub struct Core {
     pub view: Arc<ProcessView>,
     /// Debug only (regression test of the seed bug): never apply captured contexts.
     pub skip_ctx_apply: bool,
-    notifs: Mutex<Vec<(String, Vec<u8>)>>,
+    notifs: Hinted<Vec<(String, Vec<u8>)>>,
     /// The progress thread is (about to be) asleep and needs a write to `wake_fd`.
     sleeping: AtomicBool,
     pub wake_fd: i32,
@@ -76,7 +77,7 @@ impl Core {
             ipc,
             view,
             skip_ctx_apply: std::env::var("NIXL_FABRIC_DEBUG_SKIP_CTX_APPLY").is_ok_and(|v| v == "1"),
-            notifs: Mutex::new(Vec::new()),
+            notifs: Hinted::default(),
             sleeping: AtomicBool::new(false),
             wake_fd,
             rail_gate: (Mutex::new(()), std::sync::Condvar::new()),
@@ -106,11 +107,11 @@ impl Core {
     }
 
     pub fn push_notif(&self, sender: String, msg: Vec<u8>) {
-        self.notifs.lock().unwrap_or_else(|p| p.into_inner()).push((sender, msg));
+        self.notifs.lock().push((sender, msg));
     }
 
     pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
-        std::mem::take(&mut *self.notifs.lock().unwrap_or_else(|p| p.into_inner()))
+        self.notifs.lock_if_any().map(|mut n| std::mem::take(&mut *n)).unwrap_or_default()
     }
 
     /// The IPC route is on: config gpu_ipc, and same_host_shm (the switch of every

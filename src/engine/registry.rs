@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Weak;
 use crate::error::{Error, Result};
+use crate::hinted::{Emptiness, Hinted};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -37,11 +38,17 @@ pub struct CloseQueue {
     items: Vec<Mr>,
 }
 
-pub type SharedCloseQueue = Arc<Mutex<CloseQueue>>;
+pub type SharedCloseQueue = Arc<Hinted<CloseQueue>>;
+
+impl Emptiness for CloseQueue {
+    fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
 
 impl CloseQueue {
     pub fn push(q: &SharedCloseQueue, mrs: Vec<Mr>) {
-        let mut g = q.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = q.lock();
         if g.closed {
             drop(g);
             drop(mrs);
@@ -50,10 +57,10 @@ impl CloseQueue {
         }
     }
     pub fn drain(q: &SharedCloseQueue) -> Vec<Mr> {
-        std::mem::take(&mut q.lock().unwrap_or_else(|p| p.into_inner()).items)
+        q.lock_if_any().map(|mut g| std::mem::take(&mut g.items)).unwrap_or_default()
     }
     pub fn close(q: &SharedCloseQueue) -> Vec<Mr> {
-        let mut g = q.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = q.lock();
         g.closed = true;
         std::mem::take(&mut g.items)
     }

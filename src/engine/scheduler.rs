@@ -631,7 +631,7 @@ fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, fill: &mut ChunkFill, local: (
 mod tests {
     use super::*;
     use crate::engine::local_peers::PidFd;
-    use crate::engine::registry::CloseQueue;
+    use crate::engine::registry::SharedCloseQueue;
     use crate::engine::wire::{ConnInfo, ProcessInfo, RailAddr};
     use std::sync::atomic::AtomicUsize;
 
@@ -658,7 +658,7 @@ mod tests {
     }
 
     fn mem(engine: u64, base: u64, len: u64, rails: usize) -> Arc<LocalMem> {
-        let q = Arc::new(Mutex::new(CloseQueue::default()));
+        let q = SharedCloseQueue::default();
         Arc::new(LocalMem::new(engine, base, len, MemKind::Dram, 0, rails, Vec::new(), q, None, None))
     }
 
@@ -812,7 +812,7 @@ mod tests {
         // SAFETY: a dangling handle that no CUDA call sees in this test.
         let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
         let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: false, managed: false };
-        let q = Arc::new(Mutex::new(CloseQueue::default()));
+        let q = SharedCloseQueue::default();
         let vram = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 2, Vec::new(), q.clone(), Some(dev), None));
         let dram = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Dram, 0, 2, Vec::new(), q, None, None));
         for (l, device) in [(&vram, true), (&dram, false)] {
@@ -829,7 +829,7 @@ mod tests {
         cfg.staging_chunk_size = 1 << 20;
         let p = peer(1, 2, Locality::Remote, false);
         let r = remote(&p, 0x900_0000, 8 << 20, 2);
-        let q = Arc::new(Mutex::new(CloseQueue::default()));
+        let q = SharedCloseQueue::default();
         // A context value the scheduler only carries along (never used here).
         // SAFETY: a dangling handle that no CUDA call sees in this test.
         let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
@@ -847,7 +847,7 @@ mod tests {
         off.staging_rail0 = false;
         let p3 = peer(1, 3, Locality::Remote, false);
         let r3 = remote(&p3, 0x900_0000, 8 << 20, 3);
-        let l3 = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 3, Vec::new(), Arc::new(Mutex::new(CloseQueue::default())), Some(dev), None));
+        let l3 = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 3, Vec::new(), SharedCloseQueue::default(), Some(dev), None));
         let pairs3 = [Pair { local: (0x10_0000, 4 << 20, &l3), remote: (0x900_0000, 4 << 20, &r3) }];
         let plan = run(&off, 3, &Target::Peer(p3), &pairs3, &Nothing(None)).unwrap();
         assert_eq!(plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>(), vec![(1, 1), (2, 2), (1, 1), (2, 2)]);

@@ -11,7 +11,7 @@ use crate::engine::local_peers::{Locality, ProcessView};
 use crate::engine::ops::{OpKind, OpPool};
 use crate::engine::peer::{Peer, RoutePair};
 use crate::engine::port::{Mr, Port};
-use crate::engine::registry::CloseQueue;
+use crate::engine::registry::SharedCloseQueue;
 use crate::engine::wire::{ConnInfo, RailAddr};
 use crate::error::{Error, Result};
 use crate::fabric::{Completion, CqError, DmaBufRange, FiAddr, Hmem, Posted, RailCaps, RmaSeg};
@@ -405,7 +405,7 @@ impl Bench {
         let ports = fakes.iter().map(|f| f.clone() as Arc<dyn Port>).collect();
         let id = crate::engine::ids::random_u64();
         let view = ProcessView::publish(id, [0; 16]);
-        let closeq = Arc::new(Mutex::new(CloseQueue::default()));
+        let closeq = SharedCloseQueue::default();
         let core = Arc::new(Core::new("bench", id, [7; 16], cfg, Vec::new(), rails, closeq, view.clone()));
         Bench {
             core,

@@ -107,7 +107,7 @@ impl Rail {
                         crate::error::Error::Fabric { code, .. } => code.abs(),
                         _ => libc::EIO,
                     };
-                    self.stash.lock().unwrap_or_else(|p| p.into_inner()).push_back(Err(CqError { ctx: q.ctx, errno, detail: e.to_string() }));
+                    self.stash.lock().push_back(Err(CqError { ctx: q.ctx, errno, detail: e.to_string() }));
                     out.failed += 1;
                 }
             }

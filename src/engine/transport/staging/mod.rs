@@ -542,7 +542,7 @@ mod tests {
     use super::*;
     use crate::engine::conns::Initiator;
     use crate::engine::local_peers::Locality;
-    use crate::engine::registry::{CloseQueue, LocalMem, MemKind};
+    use crate::engine::registry::{LocalMem, MemKind, SharedCloseQueue};
     use crate::engine::request::Seg;
     use crate::engine::transport::fake::{in_mock_cuda, mock_child, request, Answer, Bench};
     use crate::engine::wire::encode_ctrl;
@@ -563,7 +563,7 @@ mod tests {
         let p = cuda::Context::primary(0).expect("mock device 0");
         let buf = cuda::DeviceBuffer::new(&p.context(), len).expect("device memory");
         let dev = DeviceMem { ctx: p.context(), ordinal: 0, staged: true, managed: false };
-        let closeq = Arc::new(Mutex::new(CloseQueue::default()));
+        let closeq = SharedCloseQueue::default();
         let m = Arc::new(LocalMem::new(b.core.engine_id, buf.addr(), len as u64, MemKind::Vram, 0, b.rails.len(), Vec::new(), closeq, Some(dev), Some(b.core.gpu.clone())));
         b.core.gpu.add(&m, dev.ctx);
         (buf, m, dev, p)
@@ -880,7 +880,7 @@ mod tests {
     }
 
     fn host_mem(b: &Bench, bytes: &mut [u8]) -> Arc<LocalMem> {
-        let closeq = Arc::new(Mutex::new(CloseQueue::default()));
+        let closeq = SharedCloseQueue::default();
         Arc::new(LocalMem::new(b.core.engine_id, bytes.as_mut_ptr() as u64, bytes.len() as u64, MemKind::Dram, 0, RAILS, Vec::new(), closeq, None, None))
     }
 
