@@ -91,6 +91,8 @@ tunables! {
         "copy threads per engine for cma_copy and large same-process host copies (started at first use); 0 = half the cores this process may run on, at most 7";
     cma_spin_us: u64 = U64, "0", "NIXL_FABRIC_CMA_SPIN_US",
         "how long a copy thread that ran out of pieces keeps looking for the next (yielding its core) before it sleeps; 0 = sleep at once (the H200 host's 1 MiB same-host WRITE was slower with 50: 137-143 us against 118-122)";
+    cma_min_piece: u64 = Size, "1048576", "NIXL_FABRIC_CMA_MIN_PIECE",
+        "the smallest piece of a same-host copy handed to a copy thread: a request up to this size is one process_vm_writev/readv on the posting thread, a larger one is cut into pieces of at least this size spread over the copy threads (4 KiB .. 64 MiB)";
     vram_registration: String = Str, "auto", "NIXL_FABRIC_VRAM_REGISTRATION",
         "how GPU memory is registered with a provider that offers FI_HMEM: auto tries a dma-buf registration (libfabric >= 1.20 and a driver that exports dma-bufs), then plain FI_HMEM, then falls back to packed staging; dmabuf or hmem take only that kind (a registration the provider refuses fails: to pin a path in tests); staged always stages";
     staging_buffer_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
@@ -228,6 +230,7 @@ impl Config {
             cma_copy: true,
             cma_threads: 0,
             cma_spin_us: 0,
+            cma_min_piece: 0,
             vram_registration: String::new(),
             staging_buffer_size: 0,
             staging_chunk_size: 0,
@@ -329,6 +332,9 @@ impl Config {
         }
         if self.staging_buffer_size != 0 && self.staging_buffer_size < 2 * self.staging_chunk_size.max(4096) {
             return Err(Error::InvalidParam("staging_buffer_size must be 0 (automatic) or hold at least two staging_chunk_size chunks".into()));
+        }
+        if !(4096..=64 << 20).contains(&self.cma_min_piece) {
+            return Err(Error::InvalidParam("cma_min_piece must be 4 KiB .. 64 MiB".into()));
         }
         if self.cma_spin_us > 10_000 {
             return Err(Error::InvalidParam("cma_spin_us must be 0 .. 10000".into()));

@@ -154,13 +154,14 @@ impl Engine {
         let ports: Vec<Arc<dyn Port>> = rails.iter().map(|r| r.clone() as Arc<dyn Port>).collect();
         let cma_threads = transport::cma::thread_count(core.cfg.cma_threads);
         let cma_spin = Duration::from_micros(core.cfg.cma_spin_us);
+        let cma_min_piece = core.cfg.cma_min_piece;
         let rma_batch = core.cfg.rma_batch;
         let driver = Driver::new(core.clone(), inbox.clone(), ports, |rails| {
             Ok(vec![
                 Box::new(transport::rma::Rma::new(0, rails, rma_batch)?) as Box<dyn Transport>,
                 Box::new(transport::staging::Staging::new(1, name)),
                 Box::new(transport::direct::Direct::default()),
-                Box::new(transport::cma::Cma::new(name, cma_threads).with_spin(cma_spin)),
+                Box::new(transport::cma::Cma::new(name, cma_threads).with_spin(cma_spin).with_min_piece(cma_min_piece)),
                 Box::new(transport::loopback::Loopback),
                 Box::new(transport::eager::Eager::default()),
             ])

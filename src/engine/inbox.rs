@@ -35,7 +35,9 @@ impl<D> Inbox<D> {
     }
 
     pub fn take(&self) -> Vec<Submit<D>> {
-        if !self.pending.swap(false, Ordering::SeqCst) {
+        // A plain load first: the pass that finds nothing (most of them) then writes nothing
+        // to the flag's cache line.
+        if !self.pending.load(Ordering::Acquire) || !self.pending.swap(false, Ordering::SeqCst) {
             return Vec::new();
         }
         std::mem::take(&mut *self.items.lock().unwrap_or_else(|p| p.into_inner()))

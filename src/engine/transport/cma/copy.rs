@@ -10,15 +10,15 @@ use std::time::Duration;
 
 /// Most iovecs one process_vm_* call takes (the kernel's UIO_MAXIOV).
 const MAX_IOV: usize = 1024;
-/// Smallest piece worth handing to another thread: below it the hand-off (a condvar wake)
-/// costs about what the copy does. H200 host, 2026-12-05, 1 MiB WRITE between two
+/// Smallest piece worth handing to another thread by default (config `cma_min_piece`):
+/// below it the hand-off (a condvar wake) costs about what the copy does. H200 host, 2026-12-05, 1 MiB WRITE between two
 /// processes, progress off: four 256 KiB pieces over seven threads 122-143 us, two 512 KiB
 /// pieces (one copy thread) 78 us, UCX's single process_vm_writev 70 us; so a request up to
 /// 1 MiB is one piece, copied where it is posted.
-const MIN_PIECE: u64 = 1 << 20;
+pub const MIN_PIECE: u64 = 1 << 20;
 /// Largest piece: bounds how long the driver's thread (or a caller making a pass) copies its
 /// own share of a large request, during which no other peer is served.
-const MAX_PIECE: u64 = 8 << 20;
+pub const MAX_PIECE: u64 = 8 << 20;
 /// Most copy threads an automatic count picks (memory bandwidth, not cores, is the limit).
 pub const AUTO_MAX_THREADS: usize = 7;
 
@@ -34,11 +34,11 @@ pub type Range = (u64, u64, usize);
 
 
 /// Cuts a run of ranges into pieces for `workers + 1` threads (the driver's own thread copies
-/// one piece too): pieces of about total / (workers + 1) bytes, within MIN_PIECE..MAX_PIECE,
+/// one piece too): pieces of about total / (workers + 1) bytes, within min_piece..MAX_PIECE,
 /// each at most MAX_IOV ranges. Small ranges share a piece; a large one is split.
-pub fn cut(ranges: &[Range], workers: usize) -> Vec<Vec<Range>> {
+pub fn cut(ranges: &[Range], workers: usize, min_piece: u64) -> Vec<Vec<Range>> {
     let total: u64 = ranges.iter().map(|r| r.2 as u64).sum();
-    let target = total.div_ceil(workers as u64 + 1).clamp(MIN_PIECE, MAX_PIECE).next_multiple_of(4096);
+    let target = total.div_ceil(workers as u64 + 1).clamp(min_piece.min(MAX_PIECE), MAX_PIECE).next_multiple_of(4096);
     let mut out: Vec<Vec<Range>> = Vec::new();
     let mut cur: Vec<Range> = Vec::new();
     let mut cur_bytes = 0u64;
@@ -63,8 +63,8 @@ pub fn cut(ranges: &[Range], workers: usize) -> Vec<Vec<Range>> {
 
 /// Whether a run of `n` ranges and `bytes` bytes is one piece (`cut` keeps it whole): it is
 /// copied where it is posted, straight from the request's segments.
-pub fn one_piece(n: usize, bytes: u64) -> bool {
-    bytes <= MIN_PIECE && n <= MAX_IOV
+pub fn one_piece(n: usize, bytes: u64, min_piece: u64) -> bool {
+    bytes <= min_piece && n <= MAX_IOV
 }
 
 /// The iovec lists of a process_vm_* call, kept between calls by whoever copies often (two
@@ -265,6 +265,32 @@ impl Pool {
         self.push(pieces.into_iter().map(|piece| Job { pid, write, piece, batch: batch.clone() }).collect());
     }
 
+    /// Copies on the calling thread the pieces of `batch` that no copy thread has taken yet,
+    /// newest first, while fewer than `budget` bytes have been copied so. A copy thread asleep
+    /// on an idle core took ~140 us to wake on the 16-core host (C-state exit), three times
+    /// the whole 1 MiB copy: 1 MiB in two pieces took 160 us, in four 31-33 us only because
+    /// one early thread took the others' pieces (H100, 2026-12-06). Helping bounds a post by
+    /// what one thread copies; threads that are awake still share the work.
+    pub fn help(&self, batch: &Arc<Batch>, budget: u64) {
+        let mut copied = 0u64;
+        while copied < budget {
+            let job = {
+                let mut q = self.shared.q.lock().unwrap_or_else(|p| p.into_inner());
+                match q.jobs.back() {
+                    Some(j) if Arc::ptr_eq(&j.batch, batch) => {
+                        self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+                        q.jobs.pop_back()
+                    }
+                    _ => None,
+                }
+            };
+            let Some(job) = job else { return };
+            copied += job.piece.iter().map(|r| r.2 as u64).sum::<u64>();
+            let res = copy(job.pid, job.write, &job.piece);
+            job.batch.finish(res);
+        }
+    }
+
     fn push(&self, jobs: Vec<Job>) {
         let n = jobs.len();
         let sleepers = {
@@ -340,23 +366,23 @@ mod tests {
     #[test]
     fn cut_splits_large_ranges_and_groups_small_ones() {
         // one 64 MiB range over 7 workers: 8 pieces of 8 MiB
-        let p = cut(&[(0, 1 << 40, 64 << 20)], 7);
+        let p = cut(&[(0, 1 << 40, 64 << 20)], 7, MIN_PIECE);
         assert_eq!(p.len(), 8);
         assert!(p.iter().all(|x| x.len() == 1 && x[0].2 == 8 << 20));
         assert_eq!(p[3][0], (3 * (8 << 20), (1 << 40) + 3 * (8 << 20), 8 << 20));
         // 4096 x 4 KiB (16 MiB) over 3 workers: 4 MiB pieces of 1024 ranges
         let r: Vec<Range> = (0..4096u64).map(|i| (i * 8192, i * 4096, 4096)).collect();
-        let p = cut(&r, 3);
+        let p = cut(&r, 3, MIN_PIECE);
         assert_eq!(p.len(), 4);
         assert!(p.iter().all(|x| x.len() == 1024));
         // small totals stay one piece; the MAX_IOV cap holds with many tiny ranges
-        assert_eq!(cut(&[(0, 0, 1000), (4096, 4096, 1000)], 7).len(), 1);
+        assert_eq!(cut(&[(0, 0, 1000), (4096, 4096, 1000)], 7, MIN_PIECE).len(), 1);
         let tiny: Vec<Range> = (0..3000u64).map(|i| (i * 64, i * 64, 64)).collect();
-        let p = cut(&tiny, 7);
+        let p = cut(&tiny, 7, MIN_PIECE);
         assert_eq!(p.iter().map(|x| x.len()).collect::<Vec<_>>(), vec![1024, 1024, 952]);
         // every byte exactly once, in order
         let r = [(0u64, 100u64, 3 << 20), (10 << 20, 20 << 20, 100)];
-        let p = cut(&r, 1);
+        let p = cut(&r, 1, MIN_PIECE);
         let flat: Vec<Range> = p.concat();
         assert_eq!(flat.iter().map(|x| x.2).sum::<usize>(), (3 << 20) + 100);
         assert_eq!(flat.first().map(|x| (x.0, x.1)), Some((0, 100)));
@@ -366,7 +392,7 @@ mod tests {
     fn copy_moves_bytes_within_this_process_and_reports_bad_addresses() {
         let src: Vec<u8> = (0..(3 << 20)).map(|i| (i * 7 % 251) as u8).collect();
         let mut dst = vec![0u8; 3 << 20];
-        let pieces = cut(&[(src.as_ptr() as u64, dst.as_mut_ptr() as u64, src.len())], 3);
+        let pieces = cut(&[(src.as_ptr() as u64, dst.as_mut_ptr() as u64, src.len())], 3, MIN_PIECE);
         for p in &pieces {
             copy(std::process::id(), true, p).expect("process_vm_writev to ourselves");
         }
@@ -379,12 +405,36 @@ mod tests {
     }
 
     #[test]
+    fn the_posting_thread_copies_what_no_thread_took_within_its_budget() {
+        // No thread started: every queued piece waits for a helper.
+        let pool = Pool::new("test", 3);
+        let src: Vec<u8> = (0..(1 << 20)).map(|i| (i * 13 % 251) as u8).collect();
+        let mut dst = vec![0u8; 1 << 20];
+        let pieces = cut(&[(src.as_ptr() as u64, dst.as_mut_ptr() as u64, src.len())], 3, 256 << 10);
+        assert_eq!(pieces.len(), 4);
+        let batch = Batch::new(pieces.len());
+        let other = Batch::new(1);
+        let pid = std::process::id();
+        // Another post's piece queued before ours stays for the threads.
+        pool.push(vec![Job { pid, write: true, piece: vec![(src.as_ptr() as u64, dst.as_mut_ptr() as u64, 4096)], batch: other.clone() }]);
+        pool.submit(pid, true, pieces[1..].to_vec(), &batch);
+        batch.finish(copy(pid, true, &pieces[0]));
+        pool.help(&batch, 256 << 10);
+        assert_eq!(batch.left.load(Ordering::Acquire), 2, "one piece within the budget, then it stops");
+        pool.help(&batch, MAX_PIECE);
+        assert!(batch.done() && batch.result().is_ok());
+        assert!(src == dst);
+        assert!(!other.done(), "another post's piece is left to the threads");
+        assert_eq!(pool.shared.queued.load(Ordering::Acquire), 1);
+    }
+
+    #[test]
     fn pool_threads_copy_every_piece_and_stop() {
         let mut pool = Pool::new("test", 2);
         assert_eq!(pool.workers(), 2);
         let src = vec![5u8; 8 << 20];
         let mut dst = vec![0u8; 8 << 20];
-        let pieces = cut(&[(src.as_ptr() as u64, dst.as_mut_ptr() as u64, src.len())], 2);
+        let pieces = cut(&[(src.as_ptr() as u64, dst.as_mut_ptr() as u64, src.len())], 2, MIN_PIECE);
         let batch = Arc::new(Batch { left: AtomicUsize::new(pieces.len()), err: Mutex::new(None) });
         let pid = std::process::id();
         pool.push(pieces.into_iter().map(|piece| Job { pid, write: true, piece, batch: batch.clone() }).collect());
@@ -413,7 +463,7 @@ mod tests {
         let pid = std::process::id();
         for round in 0..20 {
             let mut dst = vec![0u8; 4 << 20];
-            let pieces = cut(&[(src.as_ptr() as u64, dst.as_mut_ptr() as u64, src.len())], 2);
+            let pieces = cut(&[(src.as_ptr() as u64, dst.as_mut_ptr() as u64, src.len())], 2, MIN_PIECE);
             let batch = Batch::new(pieces.len());
             pool.submit(pid, true, pieces, &batch);
             let deadline = std::time::Instant::now() + Duration::from_secs(10);

@@ -55,11 +55,19 @@ pub struct Cma {
     tracks: Vec<Track>,
     /// The lists of the copies made on this thread.
     iov: Iovecs,
+    /// Config `cma_min_piece`.
+    min_piece: u64,
 }
 
 impl Cma {
     pub fn new(name: &str, threads: usize) -> Cma {
-        Cma { pool: Pool::new(name, threads), tracks: Vec::new(), iov: Iovecs::default() }
+        Cma { pool: Pool::new(name, threads), tracks: Vec::new(), iov: Iovecs::default(), min_piece: copy::MIN_PIECE }
+    }
+
+    /// The smallest piece handed to a copy thread (config `cma_min_piece`).
+    pub fn with_min_piece(mut self, bytes: u64) -> Cma {
+        self.min_piece = bytes;
+        self
     }
 
     /// How long an idle copy thread keeps looking for work before it blocks.
@@ -73,13 +81,17 @@ impl Cma {
     /// until they are done. Returns the pieces outstanding (0: all copied here).
     fn spread(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, pid: u32, ranges: Vec<Range>, bytes: u64) -> Result<usize> {
         let write = req.op == Op::Write;
-        let mut pieces = cut(&ranges, self.pool.wanted());
+        let mut pieces = cut(&ranges, self.pool.wanted(), self.min_piece);
         let c = &cx.core.counters;
         if pieces.len() > 1 && self.pool.workers() > 0 {
             let mine = pieces.swap_remove(0);
+            let mine_bytes: u64 = mine.iter().map(|r| r.2 as u64).sum();
             let batch = Batch::new(pieces.len() + 1);
             self.pool.submit(pid, write, pieces, &batch);
             batch.finish(copy(pid, write, &mine));
+            // What the threads have not taken yet is copied here, up to MAX_PIECE in all:
+            // the pass that collects the batch (advance) follows in this same pass.
+            self.pool.help(&batch, copy::MAX_PIECE.saturating_sub(mine_bytes));
             add(&c.ops_posted, 1);
             self.tracks.push(Track { req: req.clone(), epoch, bytes, batch, cma: pid != THIS_PROCESS });
             return Ok(1);
@@ -141,7 +153,7 @@ impl Transport for Cma {
         let ranges = run.iter().map(|s| (s.local, s.raddr, s.len as usize));
         // A run of one piece (small transfers) is copied from the segments as they lie: no
         // range or piece lists to build and free per post.
-        let res = if one_piece(run.len(), bytes) {
+        let res = if one_piece(run.len(), bytes, self.min_piece) {
             copy_ranges(pid, req.op == Op::Write, ranges, &mut self.iov).and_then(|_| Self::copied_here(cx, req, pid, bytes, true))
         } else {
             self.spread(cx, req, epoch, pid, ranges.collect(), bytes)
