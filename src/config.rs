@@ -91,8 +91,8 @@ tunables! {
         "copy threads per engine for cma_copy and large same-process host copies (started at first use); 0 = half the cores this process may run on, at most 7";
     cma_spin_us: u64 = U64, "0", "NIXL_FABRIC_CMA_SPIN_US",
         "how long a copy thread that ran out of pieces keeps looking for the next (yielding its core) before it sleeps; 0 = sleep at once (the H200 host's 1 MiB same-host WRITE was slower with 50: 137-143 us against 118-122)";
-    cma_min_piece: u64 = Size, "1048576", "NIXL_FABRIC_CMA_MIN_PIECE",
-        "the smallest piece of a same-host copy handed to a copy thread: a request up to this size is one process_vm_writev/readv on the posting thread, a larger one is cut into pieces of at least this size spread over the copy threads (4 KiB .. 64 MiB)";
+    cma_min_piece: u64 = Size, "131072", "NIXL_FABRIC_CMA_MIN_PIECE",
+        "the smallest piece of a same-host copy handed to a copy thread: a request smaller than this times (copy threads + 1) is one process_vm_writev/readv on the posting thread (1 MiB with seven threads; with fewer than three threads at least 1 MiB), a larger one is cut into a piece per thread and one for the posting thread, which also copies what no thread has taken yet (4 KiB .. 64 MiB)";
     vram_registration: String = Str, "auto", "NIXL_FABRIC_VRAM_REGISTRATION",
         "how GPU memory is registered with a provider that offers FI_HMEM: auto tries a dma-buf registration (libfabric >= 1.20 and a driver that exports dma-bufs), then plain FI_HMEM, then falls back to packed staging; dmabuf or hmem take only that kind (a registration the provider refuses fails: to pin a path in tests); staged always stages";
     staging_buffer_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_BUFFER_SIZE",

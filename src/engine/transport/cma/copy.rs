@@ -10,12 +10,15 @@ use std::time::Duration;
 
 /// Most iovecs one process_vm_* call takes (the kernel's UIO_MAXIOV).
 const MAX_IOV: usize = 1024;
-/// Smallest piece worth handing to another thread by default (config `cma_min_piece`):
-/// below it the hand-off (a condvar wake) costs about what the copy does. H200 host, 2026-12-05, 1 MiB WRITE between two
-/// processes, progress off: four 256 KiB pieces over seven threads 122-143 us, two 512 KiB
-/// pieces (one copy thread) 78 us, UCX's single process_vm_writev 70 us; so a request up to
-/// 1 MiB is one piece, copied where it is posted.
-pub const MIN_PIECE: u64 = 1 << 20;
+/// Smallest piece handed to a copy thread by default (config `cma_min_piece`); a post is
+/// split only where every thread gets one (Cma::start). H100 host, 2026-12-06, 1 MiB between
+/// two processes with 2 MiB-aligned buffers, the posting thread helping (Pool::help): eight
+/// 128 KiB pieces 33 / 38 us WRITE / READ, four of 256 KiB 39 / 48, two of 512 KiB 80-104,
+/// one piece 41-57, UCX 48-51. (Before the buffers were aligned and before the help, on the
+/// H200 host 2026-12-05, the split lost to one piece, which is how 1 MiB became the limit.)
+pub const MIN_PIECE: u64 = 128 << 10;
+/// Where fewer than three copy threads run, the largest post copied whole (Cma::start).
+pub const FEW_THREADS_SPLIT: u64 = 1 << 20;
 /// Largest piece: bounds how long the driver's thread (or a caller making a pass) copies its
 /// own share of a large request, during which no other peer is served.
 pub const MAX_PIECE: u64 = 8 << 20;

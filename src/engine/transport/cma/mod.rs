@@ -153,7 +153,17 @@ impl Transport for Cma {
         let ranges = run.iter().map(|s| (s.local, s.raddr, s.len as usize));
         // A run of one piece (small transfers) is copied from the segments as they lie: no
         // range or piece lists to build and free per post.
-        let res = if one_piece(run.len(), bytes, self.min_piece) {
+        // Split only where every thread gets a piece (min_piece each): with fewer, larger
+        // pieces a thread that wakes on a cold core holds the post up (1 MiB in two pieces
+        // 80-160 us, in eight 33 us, one piece 41-57, H100). With fewer than three threads
+        // a split is two or three pieces, which lost to one piece on the 2-core VM too (1 MiB
+        // READ 74-86 against 65-71 us): posts up to FEW_THREADS_SPLIT stay whole there.
+        let threads = self.pool.wanted() as u64;
+        let mut split_at = self.min_piece.saturating_mul(threads + 1);
+        if threads < 3 {
+            split_at = split_at.max(copy::FEW_THREADS_SPLIT + 1);
+        }
+        let res = if one_piece(run.len(), bytes, split_at - 1) {
             copy_ranges(pid, req.op == Op::Write, ranges, &mut self.iov).and_then(|_| Self::copied_here(cx, req, pid, bytes, true))
         } else {
             self.spread(cx, req, epoch, pid, ranges.collect(), bytes)
