@@ -564,7 +564,7 @@ class Initiator:
 def points_to_run():
     """Every point in the table's order, or those BENCH_POINTS names (comma-separated point
     keys as the table prints them, e.g. "WRITE 1 x 4 KiB,READ 1 x 4 KiB"), in its order."""
-    every = [(op, b, s) for op in OPS for b, s in [(1, s) for s in SINGLE] + KV]
+    every = all_points()
     only = os.environ.get("BENCH_POINTS")
     if not only:
         return every
@@ -1001,12 +1001,13 @@ def run_config(label, profile, policy, logdir, plugdir, timeout):
     return res
 
 
+def all_points():
+    """(op, blocks, size) of every point, in the table's order."""
+    return [(op, b, s) for op in OPS for b, s in [(1, s) for s in SINGLE] + KV]
+
+
 def point_order():
-    keys = []
-    for op in OPS:
-        keys += [point_key(op, 1, s) for s in SINGLE]
-        keys += [point_key(op, b, s) for b, s in KV]
-    return keys
+    return [point_key(*p) for p in all_points()]
 
 
 def all_verified(r):

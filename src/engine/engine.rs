@@ -10,7 +10,6 @@ use super::ipc_cache::IpcEntry;
 use super::peer::{Peer, RoutePair};
 use super::port::Port;
 use super::registry::{CloseQueue, LocalMem, MemKind, SharedCloseQueue};
-use crate::hinted::Hinted;
 use super::remote::RemoteMem;
 use super::request::{Op, Phase, Request, Target};
 use super::scheduler::{self, Pair, RailShape, Reach};
@@ -140,7 +139,7 @@ impl Engine {
             provider: r.caps.prov_name.clone(),
             order_saw: r.caps.order_saw,
         }).collect();
-        let closeq: SharedCloseQueue = Arc::new(Hinted::default());
+        let closeq = SharedCloseQueue::default();
         let threaded = cfg.progress_thread;
         let core = Arc::new(Core::new(name, engine_id, host, cfg, conn.encode(), rails.len(), closeq, view));
         let rails: Vec<Arc<Rail>> = rails.into_iter().map(Arc::new).collect();

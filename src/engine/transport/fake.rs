@@ -199,12 +199,12 @@ impl FakePort {
         self.st().accepted.clone()
     }
 
-    /// How often the completion queue was read.
     /// Posts tried so far, refused ones included.
     pub fn tries(&self) -> usize {
         self.st().tries
     }
 
+    /// How often the completion queue was read.
     pub fn polls(&self) -> usize {
         self.st().polls
     }

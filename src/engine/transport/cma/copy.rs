@@ -64,10 +64,26 @@ pub fn cut(ranges: &[Range], workers: usize, min_piece: u64) -> Vec<Vec<Range>> 
     out
 }
 
-/// Whether a run of `n` ranges and `bytes` bytes is one piece (`cut` keeps it whole): it is
-/// copied where it is posted, straight from the request's segments.
-pub fn one_piece(n: usize, bytes: u64, min_piece: u64) -> bool {
-    bytes <= min_piece && n <= MAX_IOV
+/// The largest post copied whole on the posting thread where `threads` copy threads run. A
+/// post is split only where every thread gets a piece of at least `min_piece`: with fewer,
+/// larger pieces a thread that wakes on a cold core holds the post up (1 MiB in two pieces
+/// 80-160 us, in eight 33 us, one piece 41-57; H100). With fewer than three threads a split
+/// is two or three pieces, which lost to one piece on the 2-core VM too (1 MiB READ 74-86
+/// against 65-71 us): posts up to FEW_THREADS_SPLIT stay whole there.
+pub fn whole_up_to(threads: usize, min_piece: u64) -> u64 {
+    let every_thread_a_piece = min_piece.saturating_mul(threads as u64 + 1).saturating_sub(1);
+    if threads < 3 {
+        every_thread_a_piece.max(FEW_THREADS_SPLIT)
+    } else {
+        every_thread_a_piece
+    }
+}
+
+/// Whether a run of `n` ranges and `bytes` bytes is one piece (at most `whole_up_to` bytes
+/// and one system call's iovecs): it is copied where it is posted, straight from the
+/// request's segments.
+pub fn one_piece(n: usize, bytes: u64, whole_up_to: u64) -> bool {
+    bytes <= whole_up_to && n <= MAX_IOV
 }
 
 /// The iovec lists of a process_vm_* call, kept between calls by whoever copies often (two
@@ -405,6 +421,14 @@ mod tests {
         assert_eq!(&back[..], &src[4096..8192]);
         let e = copy(std::process::id(), true, &[(src.as_ptr() as u64, 8, 4096)]).expect_err("unmapped");
         assert!(matches!(e, Error::InvalidParam(_)), "{e:?}");
+    }
+
+    #[test]
+    fn a_post_is_split_only_where_every_thread_gets_a_piece() {
+        assert_eq!(whole_up_to(7, MIN_PIECE), (1 << 20) - 1, "1 MiB: eight pieces of 128 KiB");
+        assert_eq!(whole_up_to(7, 256 << 10), (2 << 20) - 1);
+        assert_eq!(whole_up_to(1, MIN_PIECE), FEW_THREADS_SPLIT, "one thread: 1 MiB stays whole");
+        assert_eq!(whole_up_to(2, 1 << 20), (3 << 20) - 1);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::engine::counters::add;
 use crate::engine::local_peers::RECENTLY_ALIVE;
 use crate::engine::request::{Op, Request, Route, SegKind};
 use crate::error::{Error, Result};
-use copy::{copy, copy_ranges, cut, one_piece, Batch, Iovecs, Pool, Range, AUTO_MAX_THREADS};
+use copy::{copy, copy_ranges, cut, one_piece, whole_up_to, Batch, Iovecs, Pool, Range, AUTO_MAX_THREADS};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -112,7 +112,7 @@ impl Cma {
         // check before it, as a rule) was alive when it ended, give or take that window,
         // in which its death is no different from one right after delivery. Polling again
         // here was one system call per small transfer (~0.3 us of a 4 KiB WRITE, CPU VM);
-        // after a run of one piece (at most MIN_PIECE, tens of microseconds) even the clock
+        // after a run of one piece (about 1 MiB at most, tens of microseconds) even the clock
         // read of the check is one of the four a 4 KiB WRITE made, and tells nothing new.
         if pid != THIS_PROCESS && !seen_alive {
             req.peer_alive_within(RECENTLY_ALIVE)?;
@@ -153,17 +153,7 @@ impl Transport for Cma {
         let ranges = run.iter().map(|s| (s.local, s.raddr, s.len as usize));
         // A run of one piece (small transfers) is copied from the segments as they lie: no
         // range or piece lists to build and free per post.
-        // Split only where every thread gets a piece (min_piece each): with fewer, larger
-        // pieces a thread that wakes on a cold core holds the post up (1 MiB in two pieces
-        // 80-160 us, in eight 33 us, one piece 41-57, H100). With fewer than three threads
-        // a split is two or three pieces, which lost to one piece on the 2-core VM too (1 MiB
-        // READ 74-86 against 65-71 us): posts up to FEW_THREADS_SPLIT stay whole there.
-        let threads = self.pool.wanted() as u64;
-        let mut split_at = self.min_piece.saturating_mul(threads + 1);
-        if threads < 3 {
-            split_at = split_at.max(copy::FEW_THREADS_SPLIT + 1);
-        }
-        let res = if one_piece(run.len(), bytes, split_at - 1) {
+        let res = if one_piece(run.len(), bytes, whole_up_to(self.pool.wanted(), self.min_piece)) {
             copy_ranges(pid, req.op == Op::Write, ranges, &mut self.iov).and_then(|_| Self::copied_here(cx, req, pid, bytes, true))
         } else {
             self.spread(cx, req, epoch, pid, ranges.collect(), bytes)
