@@ -9,6 +9,7 @@
                          for nixl-fabric DONE means delivered)
   READ until DONE        the same for a READ
   notification alone     genNotif ping-pong, half the round trip: the floor under the first
+  idle get_new_notifs    one call with nothing arriving: a poller's turn of its loop
 
     notif_latency.py [--configs ours-tcp,ours-tcp-flush,ucx-tcp] [--sizes 4096,65536]
                      [--iters 1000] [--plugin-dir DIR] [--out FILE.json]
@@ -331,6 +332,15 @@ def role_a(backend, sizes, iters, warmup):
             times.append((time.perf_counter() - t0) / 2)
     hear(out, "PONGED", s)
     res.append(point("notification alone", 0, times, True))
+    # One get_new_notifs() with nothing arriving (B waits for its next command): what a
+    # poller pays per turn of its loop, the gap a notification or completion may wait in.
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        s.agent.get_new_notifs()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    res.append(point("idle get_new_notifs", 0, times, True))
     say(child.stdin, "QUIT")
     child.wait(timeout=60)
     s.agent.remove_remote_agent("B")

@@ -15,7 +15,7 @@ BUILD=$ROOT/build/stock
 PY=${PY:-$ROOT/.venv/bin/python}
 LFMAIN=${LFMAIN:-$ROOT/../shared/tools/lfmain.tar.xz}
 CONFIGS=${NOTIF_BASE_CONFIGS:-ours-tcp-noprog,ucx-tcp-noprog,ours-tcp,ucx-tcp}
-STOCK=${NOTIF_STOCK_CONFIGS:-stock-libfabric-noprog,stock-libfabric}
+STOCK=${NOTIF_STOCK_CONFIGS-stock-libfabric-noprog,stock-libfabric}  # set empty: ours and UCX only
 
 if [ "${NOTIF_IN_NS:-}" != 1 ]; then
   mkdir -p "$BUILD"
@@ -30,7 +30,7 @@ if [ "${NOTIF_IN_NS:-}" != 1 ]; then
     mkdir -p "$BUILD/stub"
     cc -shared -fPIC -O2 -o "$BUILD/stub/libcuda.so.1" "$ROOT/tests/versions/cuda_stub.c"
     export STOCK_LD_PATH=$BUILD/lfmain/lib:$CUDART:$BUILD/stub
-    CONFIGS=$STOCK,$CONFIGS
+    [ -z "$STOCK" ] || CONFIGS=$STOCK,$CONFIGS
   else
     echo "notif_netns: no $LFMAIN: the stock LIBFABRIC plugin is left out" >&2
   fi
