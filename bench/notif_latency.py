@@ -12,7 +12,7 @@
   idle get_new_notifs    one call with nothing arriving: a poller's turn of its loop
 
     notif_latency.py [--configs ours-tcp,ours-tcp-flush,ucx-tcp] [--sizes 4096,65536]
-                     [--iters 1000] [--plugin-dir DIR] [--out FILE.json]
+                     [--iters 1000] [--rounds N] [--plugin-dir DIR] [--out FILE.json]
 
 Configurations: ours-tcp (provider tcp on lo, one rail, same-host shm off, progress threads
 on), ours-tcp-before (the same with the plugin in --before-dir), ours-tcp-flush (the same with notif_behind_data=false: the notification after a flush
@@ -361,6 +361,31 @@ def point(what, n, times, ok):
             "p10_us": times[len(times) // 10] * 1e6, "p90_us": times[9 * len(times) // 10] * 1e6, "verified": ok}
 
 
+def run_config(args, base, c):
+    """One configuration's processes; its points, or {"error": ...}."""
+    cfg = CONFIGS[c]
+    env = dict(base)
+    for k, v in cfg["env"].items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = {"@plugins": args.plugin_dir, "@before": args.before_dir,
+                      "@stock_ld": os.environ.get("STOCK_LD_PATH", "")}.get(v, v)
+    log(f"{c}: running")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--role", "a", "--backend", cfg["backend"],
+                        "--sizes", ",".join(map(str, args.sizes)), "--iters", str(args.iters),
+                        "--warmup", str(args.warmup)],
+                       env=env, capture_output=True, text=True, timeout=900)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        log(f"{c}: failed (rc {p.returncode}): {p.stderr[-2000:]}")
+        return {"error": p.stderr[-2000:]}
+    if args.logs:
+        with open(os.path.join(args.logs, f"{c}.log"), "a") as f:
+            f.write(p.stderr)
+    return {"points": json.loads(line[len("RESULT "):])}
+
+
 def orchestrate(args):
     base = dict(os.environ)
     iface = os.environ.get("NOTIF_IFACE", "lo")
@@ -368,39 +393,48 @@ def orchestrate(args):
                 UCX_MODULES="^ib", OPENBLAS_NUM_THREADS="1")
     for k in ("NIXL_LOG_LEVEL", "UCX_TLS"):
         base.pop(k, None)
-    report = {"sizes": args.sizes, "iters": args.iters, "configs": {}}
-    for c in args.configs:
-        cfg = CONFIGS[c]
-        env = dict(base)
-        for k, v in cfg["env"].items():
-            if v is None:
-                env.pop(k, None)
-            else:
-                env[k] = {"@plugins": args.plugin_dir, "@before": args.before_dir,
-                          "@stock_ld": os.environ.get("STOCK_LD_PATH", "")}.get(v, v)
-        log(f"{c}: running")
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--role", "a", "--backend", cfg["backend"],
-                            "--sizes", ",".join(map(str, args.sizes)), "--iters", str(args.iters),
-                            "--warmup", str(args.warmup)],
-                           env=env, capture_output=True, text=True, timeout=900)
-        line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            log(f"{c}: failed (rc {p.returncode}): {p.stderr[-2000:]}")
-            report["configs"][c] = {"error": p.stderr[-2000:]}
+    report = {"sizes": args.sizes, "iters": args.iters, "rounds": args.rounds, "configs": {}}
+    # With several rounds the configurations alternate (forward, then backward), so that a
+    # machine whose speed drifts during the run does not favour the one that runs first; each
+    # point is the median of its rounds' medians, and each round's ratio to the first
+    # configuration is kept (same round: the same machine state).
+    runs = {c: [] for c in args.configs}
+    if args.logs:
+        for c in args.configs:  # each round appends to its configuration's log
+            open(os.path.join(args.logs, f"{c}.log"), "w").close()
+    for r in range(args.rounds):
+        for c in (args.configs if r % 2 == 0 else args.configs[::-1]):
+            runs[c].append(run_config(args, base, c))
+    for c, rs in runs.items():
+        ok = [x["points"] for x in rs if "points" in x]
+        if not ok:
+            report["configs"][c] = rs[0]
             continue
-        if args.logs:
-            with open(os.path.join(args.logs, f"{c}.log"), "w") as f:
-                f.write(p.stderr)
-        report["configs"][c] = {"points": json.loads(line[len("RESULT "):])}
+        points = []
+        for i, p in enumerate(ok[0]):
+            per = [pts[i] for pts in ok]
+            meds = [q["median_us"] for q in per]
+            points.append(dict(p, median_us=statistics.median(meds), round_medians_us=meds,
+                               verified=all(q["verified"] for q in per)))
+        report["configs"][c] = {"points": points}
     names = [c for c in args.configs if "points" in report["configs"][c]]
-    print(f"{'point':32}" + "".join(f"{c:>20}" for c in names))
+    print(f"{'point':32}" + "".join(f"{c:>24}" for c in names))
     keys = [(p["what"], p["bytes"]) for p in report["configs"][names[0]]["points"]] if names else []
     for what, n in keys:
         row = f"{what + (' ' + str(n // 1024) + ' KiB' if n else ''):32}"
+        first = None
         for c in names:
             p = next(p for p in report["configs"][c]["points"] if (p["what"], p["bytes"]) == (what, n))
-            row += f"{p['median_us']:>19.1f}{'' if p['verified'] else '!'} "
+            cell = f"{p['median_us']:.1f}{'' if p['verified'] else '!'}"
+            if args.rounds > 1 and first is not None:
+                # per-round ratio first/this (> 1: this one is faster), their range
+                rat = [a / b for a, b in zip(first, p["round_medians_us"]) if b]
+                cell += f" ({min(rat):.2f}-{max(rat):.2f}x)" if rat else ""
+            first = first if first is not None else p["round_medians_us"]
+            row += f"{cell:>24}"
         print(row)
+    if args.rounds > 1 and len(names) > 1:
+        print(f"(in brackets: each round's {names[0]} time over this one's, lowest-highest; > 1 is faster)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -425,6 +459,8 @@ def main():
     ap.add_argument("--before-dir", help="plugin folder of ours-tcp-before")
     ap.add_argument("--logs", help="folder for each configuration's stderr")
     ap.add_argument("--out")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every configuration this many times, alternating their order")
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.sizes.split(",")]
     if args.role == "b":
