@@ -24,7 +24,8 @@
 #       bench/notif_netns.sh -> notif_latency.py): 4/64 KiB WRITE until the target sees its
 #       notification, WRITE and READ until DONE; ours, UCX tcp and the stock LIBFABRIC plugin,
 #       each with progress threads and without; in a network namespace of its own (root);
-#       bench/results/notif-<date>.json (~2 min)
+#       bench/results/notif-<date>.json (~2 min). For a comparison on a machine whose speed
+#       drifts: NOTIF_ARGS="--iters 10000 --rounds 6" (configurations alternate per round)
 #   make bench-smoke                                 both quick, results under build/bench/smoke
 BENCH_ARGS    ?=
 BENCH_TIMEOUT ?= 1200
