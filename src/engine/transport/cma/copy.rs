@@ -424,6 +424,13 @@ mod tests {
     }
 
     #[test]
+    fn the_configured_default_is_this_modules_min_piece() {
+        // Cma::new (the tests' engines) uses MIN_PIECE; engines built from a Config use the
+        // table's default: the two must be one value.
+        assert_eq!(crate::config::Config::defaults().cma_min_piece, MIN_PIECE);
+    }
+
+    #[test]
     fn a_post_is_split_only_where_every_thread_gets_a_piece() {
         assert_eq!(whole_up_to(7, MIN_PIECE), (1 << 20) - 1, "1 MiB: eight pieces of 128 KiB");
         assert_eq!(whole_up_to(7, 256 << 10), (2 << 20) - 1);
