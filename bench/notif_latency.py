@@ -412,25 +412,24 @@ def orchestrate(args):
             continue
         points = []
         for i, p in enumerate(ok[0]):
-            per = [pts[i] for pts in ok]
-            meds = [q["median_us"] for q in per]
-            points.append(dict(p, median_us=statistics.median(meds), round_medians_us=meds,
-                               verified=all(q["verified"] for q in per)))
+            # A round that failed keeps its place (None), so that round r of every
+            # configuration is still the same round when their ratios are taken.
+            meds = [x["points"][i]["median_us"] if "points" in x else None for x in rs]
+            points.append(dict(p, median_us=statistics.median([m for m in meds if m is not None]),
+                               round_medians_us=meds, verified=all(pts[i]["verified"] for pts in ok)))
         report["configs"][c] = {"points": points}
     names = [c for c in args.configs if "points" in report["configs"][c]]
     print(f"{'point':32}" + "".join(f"{c:>24}" for c in names))
     keys = [(p["what"], p["bytes"]) for p in report["configs"][names[0]]["points"]] if names else []
     for what, n in keys:
         row = f"{what + (' ' + str(n // 1024) + ' KiB' if n else ''):32}"
-        first = None
-        for c in names:
-            p = next(p for p in report["configs"][c]["points"] if (p["what"], p["bytes"]) == (what, n))
+        cells = [next(p for p in report["configs"][c]["points"] if (p["what"], p["bytes"]) == (what, n)) for c in names]
+        for k, p in enumerate(cells):
             cell = f"{p['median_us']:.1f}{'' if p['verified'] else '!'}"
-            if args.rounds > 1 and first is not None:
+            if args.rounds > 1 and k > 0:
                 # per-round ratio first/this (> 1: this one is faster), their range
-                rat = [a / b for a, b in zip(first, p["round_medians_us"]) if b]
+                rat = [a / b for a, b in zip(cells[0]["round_medians_us"], p["round_medians_us"]) if a and b]
                 cell += f" ({min(rat):.2f}-{max(rat):.2f}x)" if rat else ""
-            first = first if first is not None else p["round_medians_us"]
             row += f"{cell:>24}"
         print(row)
     if args.rounds > 1 and len(names) > 1:
