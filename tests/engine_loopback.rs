@@ -183,6 +183,55 @@ fn kv_batch_over_two_rails_goes_in_runs() {
     b.shutdown();
 }
 
+/// A request of 20000 descriptors over two tcp rails, planned by four threads: every block
+/// lands in its slot both ways, the rails share the runs as a plan of one thread shares them,
+/// and a bad descriptor in a later part fails the request with its place in the list.
+#[test]
+fn long_requests_planned_in_parts_move_every_block() {
+    nixl_fabric::logging::init();
+    let mut c = cfg("tcp", true);
+    c.set("rails", "2").unwrap();
+    c.set("plan_threads", "4").unwrap();
+    let (a, b) = connected_pair(c);
+    const N: usize = 20_000;
+    const BS: usize = 256;
+    let src: Vec<u8> = (0..N * BS).map(|i| (i * 31 + 7) as u8).collect();
+    let mut dst = vec![0u8; N * BS];
+    let ms = a.register(src.as_ptr() as u64, src.len() as u64, MemKind::Dram, 0).unwrap();
+    let md = b.register(dst.as_ptr() as u64, dst.len() as u64, MemKind::Dram, 0).unwrap();
+    let rd = a.load_remote("b", &b.public_data(&md).unwrap()).unwrap();
+    let slot = |i: usize| i * 7919 % N;
+    let pairs: Vec<Pair> = (0..N)
+        .map(|i| Pair { local: (src.as_ptr() as u64 + (i * BS) as u64, BS as u64, &ms), remote: (dst.as_ptr() as u64 + (slot(i) * BS) as u64, BS as u64, &rd) })
+        .collect();
+    for op in [Op::Write, Op::Read] {
+        if op == Op::Read {
+            dst.iter_mut().enumerate().for_each(|(i, x)| *x = (i * 17 + 5) as u8);
+        }
+        let req = a.prepare(op, &pairs, "b").unwrap();
+        let s = a.post(&req, None).unwrap();
+        let s = if s == Status::NF_IN_PROG { wait(&[&a, &b], &req) } else { s };
+        assert_eq!(s, Status::NF_SUCCESS);
+        for i in 0..N {
+            assert!(dst[slot(i) * BS..(slot(i) + 1) * BS] == src[i * BS..(i + 1) * BS], "{op:?}: block {i}");
+        }
+        if op == Op::Write {
+            let (r0, r1) = (a.rail_counters(0).unwrap().bytes, a.rail_counters(1).unwrap().bytes);
+            assert_eq!(r0 + r1, (N * BS) as u64);
+            assert!(r0 > 0 && r1 > 0, "both rails carry runs: {r0} / {r1}");
+        }
+        drop(req);
+    }
+    let mut bad = pairs.clone();
+    bad[15_001].remote.0 = dst.as_ptr() as u64 + (N * BS) as u64;
+    let e = a.prepare(Op::Write, &bad, "b").err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("descriptor 15001"), "{e}");
+    drop((pairs, bad));
+    drop((rd, ms, md));
+    a.shutdown();
+    b.shutdown();
+}
+
 /// Four tcp rails with rail threads (each rail after the first progressed by its own
 /// thread): large striped WRITEs and READs and a KV batch, repeated, byte-exact, and the
 /// same with the threads off.

@@ -3,7 +3,7 @@
 //! where a descriptor names another one than the descriptor before it (lists name a few
 //! registrations in long runs).
 use super::{guard, handle, nf_mem, nf_meta_desc, nf_rmem, nf_xfer_desc, MEM_MAGIC, RMEM_MAGIC};
-use crate::engine::{LocalMem, Pair, RemoteMem};
+use crate::engine::{LocalMem, Pair, PairSource, RemoteMem};
 use crate::error::{Error, Result};
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -53,11 +53,44 @@ impl CDesc for nf_meta_desc {
     }
 }
 
-/// Pairs local[i] <-> remote[i] of two lists of equal length.
+/// The caller's two lists of equal length, read in parts by the planning threads.
+pub struct DescLists<'a, D: CDesc> {
+    local: &'a [D],
+    remote: &'a [D],
+    handle_at: usize,
+}
+
+// SAFETY: the lists and the owner objects their descriptors name are only read, and the
+// create functions' contract holds them unchanged and alive for the call, during which the
+// planning threads (joined before it returns) read them.
+unsafe impl<D: CDesc> Sync for DescLists<'_, D> {}
+
+impl<'a, D: CDesc> DescLists<'a, D> {
+    /// # Safety
+    /// Every descriptor's `handle_ptr(handle_at)` may be called (see `CDesc::handle_ptr`),
+    /// from any thread, while the lists live.
+    pub unsafe fn new(local: &'a [D], remote: &'a [D], handle_at: usize) -> Self {
+        DescLists { local, remote, handle_at }
+    }
+}
+
+impl<'a, D: CDesc> PairSource<'a> for DescLists<'a, D> {
+    fn count(&self) -> usize {
+        self.local.len().min(self.remote.len())
+    }
+    fn range(&self, start: usize, end: usize) -> impl Iterator<Item = Result<Pair<'a>>> {
+        // SAFETY: new's caller vouched for every descriptor's handle at handle_at.
+        unsafe { DescPairs::new(&self.local[start..end], &self.remote[start..end], start, self.handle_at) }
+    }
+}
+
+/// Pairs local[i] <-> remote[i] of two lists of equal length (descriptors `first`.. of
+/// the caller's lists, as errors name them).
 pub struct DescPairs<'a, D: CDesc> {
     local: &'a [D],
     remote: &'a [D],
     i: usize,
+    first: usize,
     handle_at: usize,
     keys: (*const c_void, *const c_void),
     mems: Option<(&'a Arc<LocalMem>, &'a Arc<RemoteMem>)>,
@@ -66,8 +99,8 @@ pub struct DescPairs<'a, D: CDesc> {
 impl<'a, D: CDesc> DescPairs<'a, D> {
     /// # Safety
     /// Every descriptor's `handle_ptr(handle_at)` may be called (see `CDesc::handle_ptr`).
-    pub unsafe fn new(local: &'a [D], remote: &'a [D], handle_at: usize) -> Self {
-        DescPairs { local, remote, i: 0, handle_at, keys: (std::ptr::null(), std::ptr::null()), mems: None }
+    pub unsafe fn new(local: &'a [D], remote: &'a [D], first: usize, handle_at: usize) -> Self {
+        DescPairs { local, remote, i: 0, first, handle_at, keys: (std::ptr::null(), std::ptr::null()), mems: None }
     }
 
     /// Looks descriptor `i`'s handles up. Kept out of `next`: inlined there, it made the
@@ -79,6 +112,7 @@ impl<'a, D: CDesc> DescPairs<'a, D> {
         let (a, b) = (&self.local[i], &self.remote[i]);
         // SAFETY: handle_at is the offset `new`'s caller vouched for.
         let (lh, rh) = unsafe { (a.handle_ptr(self.handle_at), b.handle_ptr(self.handle_at)) };
+        let i = self.first + i;
         let lm = handle(lh as *const nf_mem, MEM_MAGIC, "local descriptor's mem")
             .map_err(|_| Error::InvalidParam(format!("local descriptor {i} has no valid registration")))?;
         let rm = handle(rh as *const nf_rmem, RMEM_MAGIC, "remote descriptor's rmem")

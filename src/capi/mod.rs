@@ -11,7 +11,7 @@ mod registry;
 use crate::config::{Config, TUNABLES};
 use crate::engine::{self, Engine, LocalMem, RemoteMem, Request};
 use crate::error::{nf_status, Error, Status};
-use descs::DescPairs;
+use descs::DescLists;
 use guard::{bytes, cstr, guard, guard_void, ok, out};
 use std::ffi::{c_char, c_void, CString};
 use std::sync::{Arc, OnceLock};
@@ -499,7 +499,7 @@ pub extern "C" fn nf_request_create(engine: *mut nf_engine, op: u32, local: *con
     guard("nf_request_create", || {
         let (l, r) = (guard::slice(local, count, "local descriptor list")?, guard::slice(remote, count, "remote descriptor list")?);
         // SAFETY: an nf_xfer_desc's handle is its own field (no offset is read).
-        create(engine, op, count, unsafe { DescPairs::new(l, r, 0) }, peer, out_req)
+        create(engine, op, unsafe { &DescLists::new(l, r, 0) }, peer, out_req)
     })
 }
 
@@ -530,17 +530,16 @@ pub extern "C" fn nf_request_create_meta(engine: *mut nf_engine, op: u32, local:
         let (l, r) = (guard::slice(local, count, "local descriptor list")?, guard::slice(remote, count, "remote descriptor list")?);
         // SAFETY: every owner is NULL or a live object with an aligned handle pointer at
         // `handle_at` (this function's contract; the alignment is checked above).
-        create(engine, op, count, unsafe { DescPairs::new(l, r, handle_at) }, peer, out_req)
+        create(engine, op, unsafe { &DescLists::new(l, r, handle_at) }, peer, out_req)
     })
 }
 
 /// Both create functions' body: `pairs` reads the caller's `count` descriptor pairs.
-fn create<'a>(engine: *mut nf_engine, op: u32, count: usize, pairs: impl Iterator<Item = crate::error::Result<engine::Pair<'a>>>,
-              peer: *const c_char, out_req: *mut *mut nf_request) -> Result<Status, Error> {
+fn create<'a>(engine: *mut nf_engine, op: u32, pairs: &impl engine::PairSource<'a>, peer: *const c_char, out_req: *mut *mut nf_request) -> Result<Status, Error> {
     let e = handle(engine, ENGINE_MAGIC, "engine")?;
     let o = out(out_req, "out request")?;
     *o = std::ptr::null_mut();
-    if count == 0 {
+    if pairs.count() == 0 {
         return Err(Error::InvalidParam("request has no descriptors".into()));
     }
     let op = match op {
@@ -548,7 +547,7 @@ fn create<'a>(engine: *mut nf_engine, op: u32, count: usize, pairs: impl Iterato
         1 => engine::Op::Write,
         x => return Err(Error::InvalidParam(format!("operation {x} is neither READ (0) nor WRITE (1)"))),
     };
-    let req = e.engine.prepare_from(op, count, pairs, cstr(peer, "peer")?)?;
+    let req = e.engine.prepare_from(op, pairs, cstr(peer, "peer")?)?;
     *o = registry::publish(Box::new(nf_request { req, release_refused: false }), REQ_MAGIC);
     ok()
 }

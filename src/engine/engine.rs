@@ -38,6 +38,8 @@ pub struct Engine {
     next_peer_id: AtomicU64,
     rr: AtomicUsize,
     rr_chunks: AtomicUsize,
+    /// Most threads that plan one long request (config plan_threads, resolved).
+    plan_threads: usize,
     threaded: bool,
     shut: AtomicBool,
     /// Read by same-host peers through CMA; published in our connection info.
@@ -155,6 +157,7 @@ impl Engine {
         let cma_spin = Duration::from_micros(core.cfg.cma_spin_us);
         let cma_min_piece = core.cfg.cma_min_piece;
         let rma_batch = core.cfg.rma_batch;
+        let core_cfg_plan_threads = core.cfg.plan_threads;
         let driver = Driver::new(core.clone(), inbox.clone(), ports, |rails| {
             Ok(vec![
                 Box::new(transport::rma::Rma::new(0, rails, rma_batch)?) as Box<dyn Transport>,
@@ -197,6 +200,7 @@ impl Engine {
             next_peer_id: AtomicU64::new(1),
             rr: AtomicUsize::new(0),
             rr_chunks: AtomicUsize::new(0),
+            plan_threads: scheduler::plan_threads(core_cfg_plan_threads, cores),
             threaded,
             shut: AtomicBool::new(false),
             _token: token,
@@ -488,11 +492,11 @@ impl Engine {
 
     /// Checks every pair and cuts it into segments (scheduler.rs), once; posts reuse them.
     pub fn prepare(&self, op: Op, pairs: &[Pair], peer_name: &str) -> Result<Arc<Request>> {
-        self.prepare_from(op, pairs.len(), pairs.iter().map(|p| Ok(*p)), peer_name)
+        self.prepare_from(op, pairs, peer_name)
     }
 
-    /// `prepare` over `count` pairs read as they are needed (the C ABI's descriptor lists).
-    pub fn prepare_from<'a>(&self, op: Op, count: usize, pairs: impl Iterator<Item = Result<Pair<'a>>>, peer_name: &str) -> Result<Arc<Request>> {
+    /// `prepare` over pairs read as they are needed (the C ABI's descriptor lists).
+    pub fn prepare_from<'a, S: scheduler::PairSource<'a> + ?Sized>(&self, op: Op, pairs: &S, peer_name: &str) -> Result<Arc<Request>> {
         // Where a create's time goes, on a host without a profiler (issue #23): one DEBUG
         // line per request, the clocks read only when that line is wanted.
         let t0 = log::log_enabled!(log::Level::Debug).then(Instant::now);
@@ -510,16 +514,18 @@ impl Engine {
             rr_base: self.rr.fetch_add(1, Ordering::Relaxed),
             rr_chunks: &self.rr_chunks,
             timed: t0.is_some(),
+            plan_threads: self.plan_threads,
         };
         let t1 = t0.map(|_| Instant::now());
-        let plan = scheduler::plan(&inputs, &target, count, pairs, &Reached(&self.core))?;
+        let count = pairs.count();
+        let plan = scheduler::plan(&inputs, &target, pairs, &Reached(&self.core))?;
         let t2 = t0.map(|_| Instant::now());
-        let (ways, resolve_ns, nsegs) = (plan.ways, plan.resolve_ns, plan.segs.len());
+        let (ways, resolve_ns, nsegs, parts) = (plan.ways, plan.resolve_ns, plan.segs.len(), plan.parts);
         let req = Arc::new(Request::summed(op, target, plan.segs, plan.sum, plan.locals, plan.remotes, plan.keeps));
         if let (Some(t0), Some(t1), Some(t2)) = (t0, t1, t2) {
             let us = |d: Duration| d.as_secs_f64() * 1e6;
             log::debug!("{}: created a request of {count} descriptors ({nsegs} segments) in {:.1} us: peer {:.1}, plan {:.1} \
-                         ({ways} registration pairs decided in {:.1}), request {:.1}",
+                         (by {parts} thread(s); {ways} registration pairs decided in {:.1}), request {:.1}",
                         self.core.name, us(t0.elapsed()), us(t1 - t0), us(t2 - t1), resolve_ns as f64 / 1e3, us(t2.elapsed()));
         }
         Ok(req)

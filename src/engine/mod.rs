@@ -39,4 +39,4 @@ pub use engine::{cuda_summary, Engine};
 pub use registry::{LocalMem, MemKind};
 pub use remote::RemoteMem;
 pub use request::{Op, Request};
-pub use scheduler::Pair;
+pub use scheduler::{Pair, PairSource};

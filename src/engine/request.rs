@@ -96,6 +96,14 @@ impl SegSummary {
         self.on_rails |= matches!(kind.route(), Route::Rma | Route::Staging | Route::Eager);
         self.local_copies &= matches!(kind, SegKind::Cma { .. } | SegKind::Direct { .. } | SegKind::Loopback { .. });
     }
+
+    /// Adds the summary of the request's next segments (a planning part's).
+    pub fn join(&mut self, next: &SegSummary) {
+        self.bytes += next.bytes;
+        self.on_rails |= next.on_rails;
+        self.local_copies &= next.local_copies;
+        self.device_rma |= next.device_rma;
+    }
 }
 
 /// Which transport moves a segment. The scheduler picks it (through the segment's kind);
@@ -238,7 +246,8 @@ pub fn seg_list(count: usize) -> Vec<Seg> {
     Vec::with_capacity(count)
 }
 
-fn keep_seg_list(mut v: Vec<Seg>) {
+/// Keeps an emptied segment list for the next request (see SEG_LISTS).
+pub fn keep_seg_list(mut v: Vec<Seg>) {
     if !(KEPT_MIN_SEGS..=KEPT_MAX_SEGS).contains(&v.capacity()) {
         return;
     }

@@ -290,6 +290,39 @@ def test_plan_at_post_or_prep(ctx, plan_at_post):
     assert not tgt.notifs.get(ini.name), U.summarize_notifs(tgt.notifs)
 
 
+@pytest.mark.parametrize("plan_at_post", ["true", "false"])
+def test_many_descriptors_planned_in_parts(ctx, plan_at_post):
+    """A request of 20000 descriptors planned by four threads at once (plan_threads; on a
+    host of eight cores or more that is the default) moves every byte to its slot, READ and
+    WRITE, posted twice, through the agent's own descriptor lists (the C ABI's meta lists)."""
+    if U.IS_UCX:
+        pytest.skip("a key of our plugin")
+    ini, tgt = ctx.pair(params={"plan_at_post": plan_at_post, "plan_threads": "4"})
+    n, size = 20000, 64
+    L = ctx.region(ini, n, size, 8, seed=31)
+    R = ctx.region(tgt, n, size, 24, seed=32)
+    U.connect(ini, tgt)
+    pl = ini.prep_xfer_dlist("", L.xfer_descs(ini, range(n)))
+    pr = ini.prep_xfer_dlist(tgt.name, R.xfer_descs(ini, range(n)))
+    ri = list(np.random.default_rng(7).permutation(n))
+    for op in ("WRITE", "READ"):
+        h = ini.make_prepped_xfer(op, pl, list(range(n)), pr, ri, b"parts-" + op.encode())
+        for i in range(2):
+            U.fill_random(L.buf if op == "WRITE" else R.buf, 400 + i)
+            src, dst = (L, R) if op == "WRITE" else (R, L)
+            src_digest, dst_outside = U.digest(src.buf), dst.outside()
+            U.run_xfer(ini, h, notif=b"parts-" + op.encode(), target=tgt, what=f"{op} {n} descriptors")
+            if op == "WRITE":
+                U.check_slots(R, ri, L, list(range(n)), f"target after WRITE post {i}")
+            else:
+                U.check_slots(L, list(range(n)), R, ri, f"initiator after READ post {i}")
+            assert dst.outside() == dst_outside, f"{op} wrote outside its descriptors"
+            assert U.digest(src.buf) == src_digest, f"source of the {op} changed"
+        ini.release_xfer_handle(h)
+    ini.release_dlist_handle(pl)
+    ini.release_dlist_handle(pr)
+
+
 def test_repost_while_active(ctx):
     """Posting a handle that is still in progress is refused (nixlRepostActiveError) or, if it
     has finished meanwhile, accepted; either way the data ends up right."""

@@ -869,8 +869,8 @@ mod tests {
         };
         let pairs: Vec<DescPair> = blocks.iter().map(|&(l, r, n)| DescPair { local: (local.base + l, n, local), remote: (rbase + r, n, remote) }).collect();
         let target = crate::engine::request::Target::Peer(p.peer.clone());
-        let inp = Inputs { engine_id: p.init.core.engine_id, op: crate::engine::request::Op::Write, cfg: &p.init.core.cfg, shapes: &shapes, rr_base: 0, rr_chunks: &rr, timed: false };
-        let pl = plan(&inp, &target, pairs.len(), pairs.iter().map(|p| Ok(*p)), &Remote).expect("plans");
+        let inp = Inputs { engine_id: p.init.core.engine_id, op: crate::engine::request::Op::Write, cfg: &p.init.core.cfg, shapes: &shapes, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1 };
+        let pl = plan(&inp, &target, &pairs[..], &Remote).expect("plans");
         Arc::new(Request::new(op, target, pl.segs, Vec::new(), Vec::new(), Vec::new()))
     }
 
