@@ -14,9 +14,12 @@ OUT=$OUT0/full RUN_GPU_ONLY=vllm VLLM_BUDGET=${PLAN_BUDGET:-100} VLLM_ARGS="--re
 grep -E "create per|blocks end to end|random|contiguous" $OUT0/full.log | tail -14
 for r in $(seq ${PLAN_ROUNDS:-2}); do
   for t in 1 0; do
-    OUT=$OUT0/t$t-r$r NIXL_FABRIC_PLAN_THREADS=$t RUN_GPU_ONLY=vllm VLLM_BUDGET=60 VLLM_ARGS="$V --backends LIBFABRIC" \
+    # (round 2 logs each request's create line: its plan time and threads)
+    dbg=; [ $r = 2 ] && dbg=debug
+    OUT=$OUT0/t$t-r$r NIXL_FABRIC_LOG=${dbg:-${NIXL_FABRIC_LOG:-}} NIXL_FABRIC_PLAN_THREADS=$t RUN_GPU_ONLY=vllm VLLM_BUDGET=60 VLLM_ARGS="$V --backends LIBFABRIC" \
       bash $B/run-gpu.sh > $OUT0/t$t-r$r.log 2>&1
     echo "== plan_threads=$t round $r"; grep -E "^ *(256|1024) random" $OUT0/t$t-r$r.log
+    grep -rhoE "created a request of (16384|65536) descriptors.*" $OUT0/t$t-r$r 2>/dev/null | sed -E 's/ \(.*registration pairs/ (/' | sort | uniq -c | sort -rn | head -4
   done
 done
 if [ "${RUNS:-0}" -gt 0 ]; then
