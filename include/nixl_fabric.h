@@ -248,7 +248,8 @@ nf_status nf_rmem_unload(nf_engine *engine, nf_rmem *rmem);
 
 // Prepares a request of `count` pairs local[i] <-> remote[i] (equal lengths) with peer
 // `peer` (our own agent name for loopback). `op` is `nf_op`. Checks every descriptor
-// against its registration.
+// against its registration. The lists must stay alive and unchanged until the call
+// returns: a long one is read by several threads, which are joined before it returns.
 nf_status nf_request_create(nf_engine *engine,
                             uint32_t op,
                             const nf_xfer_desc *local,
@@ -260,7 +261,9 @@ nf_status nf_request_create(nf_engine *engine,
 // As `nf_request_create`, from lists of `nf_meta_desc`: each descriptor's handle is read
 // from its `owner` object at byte `handle_at` (aligned to a pointer). Every `owner` must
 // be NULL (refused) or a live object of the caller's with a handle pointer at that offset;
-// the handle itself is checked as in `nf_request_create`. Runs of one owner read it once.
+// the handle itself is checked as in `nf_request_create`, and runs of one owner read it
+// once (per planning thread). The lists and owners must stay alive and unchanged until the
+// call returns (several threads read a long list; they are joined before it returns).
 nf_status nf_request_create_meta(nf_engine *engine,
                                  uint32_t op,
                                  const nf_meta_desc *local,

@@ -61,9 +61,13 @@ pub struct DescLists<'a, D: CDesc> {
 }
 
 // SAFETY: the lists and the owner objects their descriptors name are only read, and the
-// create functions' contract holds them unchanged and alive for the call, during which the
-// planning threads (joined before it returns) read them.
-unsafe impl<D: CDesc> Sync for DescLists<'_, D> {}
+// create functions' contract (nf_request_create, nf_request_create_meta) holds them alive
+// and unchanged until the call returns, while the planning threads, joined before it
+// returns, read them; handles are looked up in the registry, which takes its own locks.
+// Only the two descriptor types of that contract.
+unsafe impl Sync for DescLists<'_, super::nf_xfer_desc> {}
+// SAFETY: as above.
+unsafe impl Sync for DescLists<'_, super::nf_meta_desc> {}
 
 impl<'a, D: CDesc> DescLists<'a, D> {
     /// # Safety
@@ -74,7 +78,10 @@ impl<'a, D: CDesc> DescLists<'a, D> {
     }
 }
 
-impl<'a, D: CDesc> PairSource<'a> for DescLists<'a, D> {
+impl<'a, D: CDesc> PairSource<'a> for DescLists<'a, D>
+where
+    DescLists<'a, D>: Sync,
+{
     fn count(&self) -> usize {
         self.local.len().min(self.remote.len())
     }

@@ -493,7 +493,8 @@ pub extern "C" fn nf_rmem_unload(engine: *mut nf_engine, rmem: *mut nf_rmem) -> 
 
 /// Prepares a request of `count` pairs local[i] <-> remote[i] (equal lengths) with peer
 /// `peer` (our own agent name for loopback). `op` is `nf_op`. Checks every descriptor
-/// against its registration.
+/// against its registration. The lists must stay alive and unchanged until the call
+/// returns: a long one is read by several threads, which are joined before it returns.
 #[no_mangle]
 pub extern "C" fn nf_request_create(engine: *mut nf_engine, op: u32, local: *const nf_xfer_desc, remote: *const nf_xfer_desc, count: usize, peer: *const c_char, out_req: *mut *mut nf_request) -> nf_status {
     guard("nf_request_create", || {
@@ -520,7 +521,9 @@ pub struct nf_meta_desc {
 /// As `nf_request_create`, from lists of `nf_meta_desc`: each descriptor's handle is read
 /// from its `owner` object at byte `handle_at` (aligned to a pointer). Every `owner` must
 /// be NULL (refused) or a live object of the caller's with a handle pointer at that offset;
-/// the handle itself is checked as in `nf_request_create`. Runs of one owner read it once.
+/// the handle itself is checked as in `nf_request_create`, and runs of one owner read it
+/// once (per planning thread). The lists and owners must stay alive and unchanged until the
+/// call returns (several threads read a long list; they are joined before it returns).
 #[no_mangle]
 pub extern "C" fn nf_request_create_meta(engine: *mut nf_engine, op: u32, local: *const nf_meta_desc, remote: *const nf_meta_desc, count: usize, handle_at: usize, peer: *const c_char, out_req: *mut *mut nf_request) -> nf_status {
     guard("nf_request_create_meta", || {

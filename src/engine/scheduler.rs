@@ -97,7 +97,8 @@ pub struct Plan {
     pub remotes: Vec<Arc<RemoteMem>>,
     pub sum: SegSummary,
     /// Ways decided (one per registration pair the request named, per planning part that
-    /// met it), and the time spent deciding them (with `Inputs::timed`; else 0).
+    /// met it), and the time spent deciding them (with `Inputs::timed`; else 0; summed over
+    /// the planning threads).
     pub ways: usize,
     pub resolve_ns: u64,
     /// Threads that planned it (plan_in_parts).
@@ -222,7 +223,11 @@ fn plan_in_parts<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, 
         plan_part(inp, target, Span { start, end, count }, pairs.range(start, end), Small::default(), reach)
     };
     let cfg = inp.cfg;
-    let (first, rest, filled) = std::thread::scope(|scope| {
+    // The first part's plan holds the list every part moves its segments into: it lives
+    // outside the scope, so that it outlives every helper thread whatever happens inside.
+    let mut first: Option<Part> = None;
+    // Each later part's plan, and whether its segments were moved to their place.
+    let (rest, total) = std::thread::scope(|scope| {
         let (sized, sizes) = mpsc::channel::<(usize, Option<(usize, u64)>)>();
         let mut helpers = Vec::with_capacity(parts - 1);
         for p in 1..parts {
@@ -233,19 +238,21 @@ fn plan_in_parts<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, 
                 let _ = sized.send((p, sizes_of(&r)));
                 // (The caller reads sizes until every sender is gone.)
                 drop(sized);
+                let mut moved = false;
                 if let (Ok(done), Ok(Some(at))) = (&mut r, place.recv()) {
                     at.fill(cfg, done);
+                    moved = true;
                 }
-                r
+                (r, moved)
             };
             // (No thread to be had: this one plans the part, after its own.)
             helpers.push(std::thread::Builder::new().name("nf-plan".into()).spawn_scoped(scope, job).ok().map(|h| (give, h)));
         }
         drop(sized);
-        let mut first = part(0);
+        let first = first.insert(part(0));
         let mut here: Vec<Option<Part>> = helpers.iter().enumerate().map(|(k, h)| h.is_none().then(|| part(k + 1))).collect();
         let mut lens = vec![None; parts];
-        lens[0] = sizes_of(&first);
+        lens[0] = sizes_of(first);
         for (k, r) in here.iter().enumerate() {
             if let Some(r) = r {
                 lens[k + 1] = sizes_of(r);
@@ -256,11 +263,11 @@ fn plan_in_parts<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, 
             lens[p] = n;
         }
         // Where each part's segments go, once every part has planned.
-        let places = match (&mut first, lens.iter().copied().collect::<Option<Vec<(usize, u64)>>>()) {
+        let places = match (&mut *first, lens.iter().copied().collect::<Option<Vec<(usize, u64)>>>()) {
             (Ok((all, pool)), Some(lens)) => {
                 let host_bytes = lens.iter().map(|l| l.1).sum();
                 let total = lens.iter().map(|l| l.0).sum::<usize>();
-                all.segs.reserve(total - all.segs.len());
+                all.segs.reserve(total.saturating_sub(all.segs.len()));
                 pool.bytes = host_bytes;
                 let base = all.segs.as_mut_ptr();
                 let mut at = 0;
@@ -273,39 +280,47 @@ fn plan_in_parts<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, 
             }
             _ => None,
         };
+        let place = |p: usize| places.as_ref().map(|(v, _)| v[p]);
+        // Every helper gets its place before any is joined, so that they move at once.
+        for (k, h) in helpers.iter().enumerate() {
+            if let Some((give, _)) = h {
+                let _ = give.send(place(k + 1));
+            }
+        }
         let mut rest = Vec::with_capacity(parts - 1);
         for (k, h) in helpers.into_iter().enumerate() {
             let p = k + 1;
-            let place = places.as_ref().map(|(v, _)| v[p]);
             rest.push(match h {
-                Some((give, h)) => {
-                    let _ = give.send(place);
-                    h.join().unwrap_or_else(|_| Err(Error::Backend(format!("planning part {p} of a request panicked"))))
-                }
+                Some((_, h)) => h.join().unwrap_or_else(|_| (Err(Error::Backend(format!("planning part {p} of a request panicked"))), false)),
                 None => {
                     let mut r = here[k].take().unwrap_or_else(|| Err(Error::Backend(format!("planning part {p} was lost"))));
-                    if let (Ok(done), Some(at)) = (&mut r, place) {
+                    let mut moved = false;
+                    if let (Ok(done), Some(at)) = (&mut r, place(p)) {
                         at.fill(cfg, done);
+                        moved = true;
                     }
-                    r
+                    (r, moved)
                 }
             });
         }
-        (first, rest, places.map(|(_, total)| total))
+        (rest, places.map(|(_, total)| total))
     });
-    let (mut all, pool) = first?;
+    let (mut all, pool) = first.unwrap_or_else(|| Err(Error::Backend("the first planning part did not run".into())))?;
     let mut done = Vec::with_capacity(rest.len());
-    for r in rest {
+    let mut moved = true;
+    for (r, m) in rest {
         // The first failing part in descriptor order names the request's error.
         done.push(r?.0);
+        moved &= m;
     }
-    let Some(total) = filled else {
-        return Err(Error::Backend("a planning part ended without its size".into()));
+    let (Some(total), true) = (total, moved) else {
+        return Err(Error::Backend("a planning part ended without its segments in place".into()));
     };
     // (pool.bytes is the whole request's by now.)
     pool.settle(cfg, &mut all.segs);
-    // SAFETY: every part planned and was joined after moving its segments to its place, so
-    // the `total` segments reserved for the parts are written.
+    // SAFETY: every later part planned, moved its segments to its place (`moved`, checked
+    // above) and was joined, so the `total` segments reserved after the first part's are
+    // written.
     unsafe { all.segs.set_len(total) };
     for p in done {
         for k in p.keeps {
@@ -1180,11 +1195,19 @@ mod tests {
         assert_eq!((four.locals.len(), four.remotes.len()), (2, 2), "each registration held once");
         assert_eq!((one.parts, four.parts), (1, 4));
         assert!(four.ways >= one.ways);
-        // A bad descriptor in a later part is named by its place in the whole list.
+        // A bad descriptor is named by its place in the whole list, in the first part and in
+        // a later one (the first failing part names the error).
+        for at in [3, 15_001] {
+            let mut bad = pairs.clone();
+            bad[at].local.1 = 8192;
+            let e = run_on(4, &cfg, 2, &t, &bad, &Nothing(None)).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(&format!("descriptor {at}:")), "{e}");
+        }
         let mut bad = pairs.clone();
-        bad[15_001].local.1 = 8192;
+        bad[19_000].local.1 = 8192;
+        bad[6_000].local.1 = 8192;
         let e = run_on(4, &cfg, 2, &t, &bad, &Nothing(None)).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("descriptor 15001"), "{e}");
+        assert!(e.contains("descriptor 6000:"), "{e}");
         // Adjacent blocks join within a part, not across its edge.
         let adj: Vec<Pair> = (0..16_384u64).map(|i| Pair { local: (0x1000_0000 + i * 4096, 4096, &ls[0]), remote: (0x9000_0000 + i * 4096, 4096, &rs[0]) }).collect();
         let one = run_on(1, &cfg, 2, &t, &adj, &Nothing(None)).unwrap();
