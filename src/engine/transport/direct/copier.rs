@@ -31,18 +31,24 @@ pub struct Copier {
 
 /// Merges copies whose source and destination both continue where the previous ended (KV
 /// blocks laid out back to back on both sides).
+///
+/// In place: a post of the vLLM pattern coalesces 65,536 ranges, and a second list of them
+/// was one more allocation and pass on the progress thread before the first launch.
 pub fn coalesce(copies: &mut Vec<Copy>) {
-    let mut out: Vec<Copy> = Vec::with_capacity(copies.len());
-    for &(d, s, n) in copies.iter() {
-        if let Some(last) = out.last_mut() {
+    let mut kept = 0;
+    for i in 0..copies.len() {
+        let (d, s, n) = copies[i];
+        if kept > 0 {
+            let last = &mut copies[kept - 1];
             if last.0 + last.2 as u64 == d && last.1 + last.2 as u64 == s {
                 last.2 += n;
                 continue;
             }
         }
-        out.push((d, s, n));
+        copies[kept] = (d, s, n);
+        kept += 1;
     }
-    *copies = out;
+    copies.truncate(kept);
 }
 
 impl Copier {
@@ -87,8 +93,14 @@ impl Copier {
         self.ensure_streams(ctx)?;
         let mut events = Vec::with_capacity(FALLBACK_STREAMS * 2);
         if dev.len() > 1 && core.cfg.gpu_copy_kernel {
-            let (small, large): (Vec<_>, Vec<_>) = dev.into_iter().partition(|c| c.2 <= KERNEL_MAX_RANGE);
-            copies.extend(large);
+            // (Large ranges are rare: the list is split only where one is.)
+            let small = if dev.iter().any(|c| c.2 > KERNEL_MAX_RANGE) {
+                let (small, large): (Vec<_>, Vec<_>) = dev.into_iter().partition(|c| c.2 <= KERNEL_MAX_RANGE);
+                copies.extend(large);
+                small
+            } else {
+                dev
+            };
             // SAFETY: forwarded from the caller.
             match unsafe { self.launch_gather(core, ctx, &small) }? {
                 Some(evs) => events.extend(evs),
@@ -212,5 +224,12 @@ mod tests {
         let mut one = vec![(0, 0, 4)];
         coalesce(&mut one);
         assert_eq!(one, vec![(0, 0, 4)]);
+        let mut none: Vec<super::Copy> = Vec::new();
+        coalesce(&mut none);
+        assert!(none.is_empty());
+        // runs at the start, the middle and the end, with lone ranges between them
+        let mut v = vec![(0, 0, 4), (4, 4, 4), (100, 50, 1), (200, 300, 2), (202, 302, 2), (204, 304, 2), (9, 9, 1), (10, 10, 1)];
+        coalesce(&mut v);
+        assert_eq!(v, vec![(0, 0, 8), (100, 50, 1), (200, 300, 6), (9, 9, 2)]);
     }
 }

@@ -59,7 +59,8 @@ impl Direct {
     fn start_copies(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, at: usize, ctx: Option<cuda::Context>) -> Result<(usize, usize)> {
         let end = req.run_end(at, |k| matches!(k, SegKind::Direct { ctx: c, .. } if *c == ctx));
         let write = req.op == Op::Write;
-        let (mut dev, mut copies) = (Vec::new(), Vec::with_capacity(end - at));
+        // (Copies with host memory are few beside device ones: their list grows as needed.)
+        let (mut dev, mut copies) = (Vec::with_capacity(end - at), Vec::new());
         for s in &req.segs[at..end] {
             let c = if write { (s.raddr, s.local, s.len as usize) } else { (s.local, s.raddr, s.len as usize) };
             match s.kind {
