@@ -1129,10 +1129,13 @@ static void ipc_basic(void) {
  *   MANY_BATCH    the driver refuses the kernel (MOCK_CUDA_NO_KERNEL): cuMemcpyBatchAsync
  *   MANY_SINGLE   kernel off (NIXL_FABRIC_GPU_COPY_KERNEL=false) and no batch copy in the
  *                 driver (MOCK_CUDA_NO_BATCH): single copies
+ *   MANY_REFUSED  the driver refuses the third launch (MOCK_CUDA_LAUNCH_LIMIT=2): the first two
+ *                 launches' blocks are the kernel's, the rest go to cuMemcpyBatchAsync, and
+ *                 the next request's to the batch copy alone
  * byte-exact every time. */
-enum { MANY_KERNEL, MANY_BATCH, MANY_SINGLE };
+enum { MANY_KERNEL, MANY_BATCH, MANY_SINGLE, MANY_REFUSED };
 static void ipc_many(int mode) {
-    static const char *const names[] = {"", "/no-kernel", "/no-batch"};
+    static const char *const names[] = {"", "/no-kernel", "/no-batch", "/launch-refused"};
     snprintf(g_ctx, sizeof g_ctx, "gpu/ipc/%smany%s", vmm_tag(), names[mode]);
     bool nobatch = mode == MANY_SINGLE;
     if (mode != MANY_KERNEL && !g_mock) {
@@ -1143,7 +1146,8 @@ static void ipc_many(int mode) {
     sess_t x;
     if (nobatch)
         setenv("NIXL_FABRIC_GPU_COPY_KERNEL", "false", 1);
-    if (!sess_open(&x, span, 20000, mode == MANY_SINGLE ? "MOCK_CUDA_NO_BATCH" : mode == MANY_BATCH ? "MOCK_CUDA_NO_KERNEL" : NULL, "1", false))
+    const char *key = mode == MANY_SINGLE ? "MOCK_CUDA_NO_BATCH" : mode == MANY_BATCH ? "MOCK_CUDA_NO_KERNEL" : mode == MANY_REFUSED ? "MOCK_CUDA_LAUNCH_LIMIT" : NULL;
+    if (!sess_open(&x, span, 20000, key, mode == MANY_REFUSED ? "2" : "1", false))
         goto out;
     buf_t l;
     if (buf_make(&l, x.e, true, span, g_primary)) {
@@ -1207,6 +1211,9 @@ static void ipc_many(int mode) {
             else if (mode == MANY_BATCH)
                 check(dk == 0 && db > 0, "%s with the kernel refused by the driver: kernel launches +%" PRIu64 " (want 0), batch calls +%" PRIu64 " (want > 0)",
                       opname(op), dk, db);
+            else if (mode == MANY_REFUSED)
+                check(dk == (op == 0 ? 2u : 0u) && db > 0, "%s with the third launch refused: kernel launches +%" PRIu64 " (want %d), batch calls +%" PRIu64 " (want > 0)",
+                      opname(op), dk, op == 0 ? 2 : 0, db);
             else if (g_mock)
                 check(dk > 0 && dk <= 8 && db == 0 && dc == 0, "%s 256 blocks: gather-kernel launches +%" PRIu64 " (want 1..8), batch +%" PRIu64 ", single +%" PRIu64 " (want 0)",
                       opname(op), dk, db, dc);
@@ -1226,6 +1233,7 @@ static void ipc_many(int mode) {
 out:
     unsetenv("MOCK_CUDA_NO_BATCH");
     unsetenv("MOCK_CUDA_NO_KERNEL");
+    unsetenv("MOCK_CUDA_LAUNCH_LIMIT");
     unsetenv("NIXL_FABRIC_GPU_COPY_KERNEL");
 }
 
@@ -1543,6 +1551,7 @@ static void suite_ipc(void) {
     ipc_many(MANY_KERNEL);
     ipc_many(MANY_BATCH);
     ipc_many(MANY_SINGLE);
+    ipc_many(MANY_REFUSED);
     ipc_fallback("MOCK_CUDA_IPC_OPEN_FAIL", "1", "open-fails");
     ipc_fallback("NIXL_FABRIC_GPU_IPC", "false", "gpu_ipc-false");
     ipc_unload();

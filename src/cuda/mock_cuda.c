@@ -417,11 +417,13 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
  * memory (ours or IPC-mapped) or pinned host memory from cuMemHostAlloc (a kernel cannot
  * touch pageable host memory).
  * MOCK_CUDA_NO_KERNEL=1: the module API refuses (a driver without JIT);
- * MOCK_CUDA_SMALL_PARAMS=1: parameter blocks over 4352 bytes are refused (an old driver). */
+ * MOCK_CUDA_SMALL_PARAMS=1: parameter blocks over 4352 bytes are refused (an old driver);
+ * MOCK_CUDA_LAUNCH_LIMIT=N: after N more launches (counted from when this value is first
+ * seen) every launch is refused with LAUNCH_OUT_OF_RESOURCES (a refusal mid-request). */
 typedef struct mmodule { CUcontext ctx; size_t param_bytes; int magic; } *CUmodule;
 typedef CUmodule CUfunction;
 #define MODULE_MAGIC 0x6a7e1
-enum { INVALID_PTX = 218, NOT_FOUND = 500 };
+enum { INVALID_PTX = 218, NOT_FOUND = 500, LAUNCH_OUT_OF_RESOURCES = 701 };
 static long n_kernel; /* successful launches */
 long mock_kernel_launches(void) { return __atomic_load_n(&n_kernel, __ATOMIC_RELAXED); }
 static int env_is(const char *name) { const char *v = getenv(name); return v && strcmp(v, "1") == 0; }
@@ -471,6 +473,20 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     if (st && st->ctx != f->ctx) return INVALID_CONTEXT;
     if (!params || !params[0] || extra || gx == 0 || gy == 0 || gz != 1 || bx == 0 || bx > 1024 || by != 1 || bz != 1 || shared)
         return INVALID_VALUE;
+    {
+        static char seen[32];
+        static long refuse_from = -1;
+        const char *lim = getenv("MOCK_CUDA_LAUNCH_LIMIT");
+        if (!lim) {
+            seen[0] = 0;
+        } else {
+            if (strncmp(seen, lim, sizeof seen - 1) != 0) {
+                snprintf(seen, sizeof seen, "%s", lim);
+                refuse_from = __atomic_load_n(&n_kernel, __ATOMIC_RELAXED) + atol(lim);
+            }
+            if (__atomic_load_n(&n_kernel, __ATOMIC_RELAXED) >= refuse_from) return LAUNCH_OUT_OF_RESOURCES;
+        }
+    }
     const unsigned char *blk = params[0];
     uint32_t count, shift;
     memcpy(&count, blk, 4);

@@ -79,36 +79,101 @@ impl Copier {
                                   "device ranges go to the copy engines")
     }
 
-    /// Queues copies on `ctx`'s streams (the context is current): `dev` (device memory at
-    /// both ends) as gather-kernel launches where there are several ranges of at most
-    /// KERNEL_MAX_RANGE; the rest in one batch call where the driver has it, else one copy
-    /// per coalesced range spread over the streams. Returns the events that complete after
-    /// them.
+    /// Starts a job's device-to-device ranges as they are read from `dev` (at most `n` of
+    /// them; the context is current): adjacent ones coalesce, and every launch's worth of
+    /// ranges of at most KERNEL_MAX_RANGE goes to the gather kernel at once, round robin over
+    /// the streams, so the GPU starts on the first blocks while the rest are read (the vLLM
+    /// pattern's 65,536 ranges were listed, coalesced and split into lists before the first
+    /// launch). Returns the events that complete after the launches, and the ranges left for
+    /// the copy engines (`queue`): long ones, and every one where the kernel cannot run here
+    /// (not loadable, off by config, a single range, or a launch refused).
+    ///
+    /// # Safety
+    /// As for `queue`; both ends of every range are device memory.
+    pub unsafe fn launch_streamed(&mut self, core: &Core, ctx: cuda::Context, n: usize, dev: impl Iterator<Item = Copy>) -> Result<(Vec<cuda::Event>, Vec<Copy>)> {
+        let mut spill = Vec::new();
+        self.ensure_streams(ctx)?;
+        if n <= 1 || !core.cfg.gpu_copy_kernel || self.kernel(core, ctx).is_none() {
+            spill.extend(dev);
+            return Ok((Vec::new(), spill));
+        }
+        let (Some(Some(k)), Some(streams)) = (self.kernels.get(&ctx.id()), self.streams.get(&ctx.id())) else {
+            spill.extend(dev);
+            return Ok((Vec::new(), spill));
+        };
+        let per = k.ranges_per_launch().max(1);
+        // (As many launches as the ranges need, and at least one per stream where the
+        // ranges are enough to share: a few hundred blocks still use every stream.)
+        let groups = n.div_ceil(per).max(n.div_ceil(KERNEL_MIN_GROUP).min(FALLBACK_STREAMS));
+        let chunk = n.div_ceil(groups).clamp(1, per);
+        let mut group: Vec<Copy> = Vec::with_capacity(chunk);
+        let (mut launches, mut used, mut refused) = (0usize, 0usize, None);
+        let mut pending: Option<Copy> = None;
+        // Launches the group on the next stream; a refusal leaves the group for the copy engines.
+        let mut launch = |group: &mut Vec<Copy>, spill: &mut Vec<Copy>, refused: &mut Option<crate::error::Error>| {
+            if refused.is_none() && !group.is_empty() {
+                let i = launches % streams.len();
+                // SAFETY: forwarded from the caller; both ends of every range are device memory.
+                match unsafe { k.launch(&streams[i], group) } {
+                    Ok(_) => {
+                        launches += 1;
+                        used = used.max(i + 1);
+                        group.clear();
+                        return;
+                    }
+                    Err(e) => *refused = Some(e.into()),
+                }
+            }
+            spill.append(group);
+        };
+        for c in dev {
+            if let Some(p) = &mut pending {
+                if p.0 + p.2 as u64 == c.0 && p.1 + p.2 as u64 == c.1 && p.2 + c.2 <= KERNEL_MAX_RANGE {
+                    p.2 += c.2;
+                    continue;
+                }
+            }
+            let Some(p) = pending.replace(c) else { continue };
+            if p.2 > KERNEL_MAX_RANGE {
+                spill.push(p);
+                continue;
+            }
+            group.push(p);
+            if group.len() == chunk {
+                launch(&mut group, &mut spill, &mut refused);
+            }
+        }
+        if let Some(p) = pending {
+            if p.2 > KERNEL_MAX_RANGE { spill.push(p) } else { group.push(p) }
+        }
+        launch(&mut group, &mut spill, &mut refused);
+        let mut events = Vec::with_capacity(used);
+        if let Some(e) = refused {
+            log::info!("{}: the gather-copy kernel failed to launch ({e}); device ranges go to the copy engines", core.name);
+            // (What it launched before the refusal completes on its streams first.)
+            for s in &streams[..used] {
+                s.synchronize()?;
+            }
+            self.kernels.insert(ctx.id(), None);
+        } else {
+            for s in &streams[..used] {
+                events.push(s.record()?);
+            }
+        }
+        add(&core.counters.gpu_kernel_launches, launches as u64);
+        Ok((events, spill))
+    }
+
+    /// Queues copies on `ctx`'s streams (the context is current): in one batch call where
+    /// the driver has it, else one copy per coalesced range spread over the streams. Returns
+    /// the events that complete after them.
     ///
     /// # Safety
     /// Every range lies in a live registration of ours or in a peer's allocation mapped
     /// here, held until the returned events complete.
-    pub unsafe fn queue(&mut self, core: &Core, ctx: cuda::Context, mut dev: Vec<Copy>, mut copies: Vec<Copy>) -> Result<Vec<cuda::Event>> {
-        coalesce(&mut dev);
+    pub unsafe fn queue(&mut self, core: &Core, ctx: cuda::Context, mut copies: Vec<Copy>) -> Result<Vec<cuda::Event>> {
         self.ensure_streams(ctx)?;
-        let mut events = Vec::with_capacity(FALLBACK_STREAMS * 2);
-        if dev.len() > 1 && core.cfg.gpu_copy_kernel {
-            // (Large ranges are rare: the list is split only where one is.)
-            let small = if dev.iter().any(|c| c.2 > KERNEL_MAX_RANGE) {
-                let (small, large): (Vec<_>, Vec<_>) = dev.into_iter().partition(|c| c.2 <= KERNEL_MAX_RANGE);
-                copies.extend(large);
-                small
-            } else {
-                dev
-            };
-            // SAFETY: forwarded from the caller.
-            match unsafe { self.launch_gather(core, ctx, &small) }? {
-                Some(evs) => events.extend(evs),
-                None => copies.extend(small),
-            }
-        } else {
-            copies.extend(dev);
-        }
+        let mut events = Vec::with_capacity(FALLBACK_STREAMS);
         coalesce(&mut copies);
         if copies.is_empty() {
             return Ok(events);
@@ -155,51 +220,6 @@ impl Copier {
         }
         events.extend(copy_events);
         Ok(events)
-    }
-
-    /// Launches the gather kernel of `ctx` for `copies` over the streams (one launch per up
-    /// to ranges_per_launch ranges, round robin). None where the kernel cannot run here (not
-    /// loadable, or a launch refused): the caller copies them another way.
-    ///
-    /// # Safety
-    /// As for `queue`; both ends of every range are device memory.
-    unsafe fn launch_gather(&mut self, core: &Core, ctx: cuda::Context, copies: &[Copy]) -> Result<Option<Vec<cuda::Event>>> {
-        if copies.is_empty() {
-            return Ok(Some(Vec::new()));
-        }
-        self.kernel(core, ctx);
-        let (Some(Some(k)), Some(streams)) = (self.kernels.get(&ctx.id()), self.streams.get(&ctx.id())) else {
-            return Ok(None);
-        };
-        let per = k.ranges_per_launch();
-        // Enough groups to use every stream, each within one launch's parameter block.
-        let groups = copies.len().div_ceil(per).max(copies.len().div_ceil(KERNEL_MIN_GROUP).min(FALLBACK_STREAMS));
-        let chunk = copies.len().div_ceil(groups);
-        let mut used = 0;
-        let mut launches = 0;
-        for (i, group) in copies.chunks(chunk).enumerate() {
-            // SAFETY: forwarded from the caller.
-            match unsafe { k.launch(&streams[i % streams.len()], group) } {
-                Ok(n) => launches += n,
-                Err(e) => {
-                    log::info!("{}: the gather-copy kernel failed to launch ({e}); device ranges go to the copy engines", core.name);
-                    // Launches already queued must not outlive the request: wait for them
-                    // (rare: the first launch on a context is where a driver refuses).
-                    for s in &streams[..used] {
-                        s.synchronize()?;
-                    }
-                    self.kernels.insert(ctx.id(), None);
-                    return Ok(None);
-                }
-            }
-            used = used.max(i % streams.len() + 1);
-        }
-        let mut events = Vec::with_capacity(used);
-        for s in &streams[..used] {
-            events.push(s.record()?);
-        }
-        add(&core.counters.gpu_kernel_launches, launches as u64);
-        Ok(Some(events))
     }
 }
 

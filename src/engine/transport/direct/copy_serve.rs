@@ -81,7 +81,7 @@ impl CopyServes {
         // SAFETY: the host ranges lie in our live DRAM registrations (checked above); the
         // device ranges in the peer's allocation mapped here, held in `served` until the
         // initiator exits (after its copies end).
-        let events = unsafe { copier.queue(cx.core, ctx, Vec::new(), copies) }?;
+        let events = unsafe { copier.queue(cx.core, ctx, copies) }?;
         self.serves.push(Serve { from: sender_id, token: c.token, ctx, events });
         Ok(())
     }

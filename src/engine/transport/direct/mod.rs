@@ -59,22 +59,16 @@ impl Direct {
     fn start_copies(&mut self, cx: &mut Cx, req: &Arc<Request>, epoch: u64, at: usize, ctx: Option<cuda::Context>) -> Result<(usize, usize)> {
         let end = req.run_end(at, |k| matches!(k, SegKind::Direct { ctx: c, .. } if *c == ctx));
         let write = req.op == Op::Write;
-        // (Copies with host memory are few beside device ones: their list grows as needed.)
-        let (mut dev, mut copies) = (Vec::with_capacity(end - at), Vec::new());
-        for s in &req.segs[at..end] {
-            let c = if write { (s.raddr, s.local, s.len as usize) } else { (s.local, s.raddr, s.len as usize) };
-            match s.kind {
-                SegKind::Direct { dev: true, .. } => dev.push(c),
-                _ => copies.push(c),
-            }
-        }
-        let bytes: u64 = dev.iter().chain(&copies).map(|c| c.2 as u64).sum();
+        let segs = &req.segs[at..end];
+        let pick = |s: &crate::engine::request::Seg| if write { (s.raddr, s.local, s.len as usize) } else { (s.local, s.raddr, s.len as usize) };
         let Some(ctx) = ctx else {
-            for (d, s, n) in copies.into_iter().chain(dev) {
+            let mut bytes = 0;
+            for (d, s, n) in segs.iter().map(pick) {
                 // SAFETY: both ranges lie in live registrations of engines of this process
                 // (bounds-checked at preparation, the peer's checked to exist at post);
                 // `copy` tolerates overlap.
                 unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n) };
+                bytes += n as u64;
             }
             let c = &cx.core.counters;
             add(if write { &c.bytes_written } else { &c.bytes_read }, bytes);
@@ -82,9 +76,26 @@ impl Direct {
             return Ok((end - at, 0));
         };
         cx.core.apply_ctx(&ctx)?;
+        // Device ranges go to the GPU as they are read; those with host memory at one end
+        // (few beside them) are listed for the copy engines.
+        let (mut host, mut bytes) = (Vec::new(), 0u64);
+        let dev = segs.iter().filter_map(|s| {
+            bytes += s.len;
+            let c = pick(s);
+            if matches!(s.kind, SegKind::Direct { dev: true, .. }) {
+                return Some(c);
+            }
+            host.push(c);
+            None
+        });
         // SAFETY: every range lies in a live registration of ours or in a peer's allocation
         // mapped here; the request keeps both (its keeps) until the job's events complete.
-        let events = unsafe { self.copier.queue(cx.core, ctx, dev, copies) }?;
+        let (mut events, spill) = unsafe { self.copier.launch_streamed(cx.core, ctx, end - at, dev) }?;
+        host.extend(spill);
+        if !host.is_empty() {
+            // SAFETY: as above.
+            events.extend(unsafe { self.copier.queue(cx.core, ctx, host) }?);
+        }
         add(&cx.core.counters.ops_posted, 1);
         self.jobs.push(Job { req: req.clone(), epoch, bytes, ctx, events });
         Ok((end - at, 1))
