@@ -920,6 +920,14 @@ mod tests {
         Arc::new(RemoteMem::Peer { peer: p.clone(), desc, opened: Mutex::new(Vec::new()) })
     }
 
+    /// Our host registration at 0x1000_0000 and a same-process peer's at 0x9000_0000 (its
+    /// engine's registration, our view of it), both `len` bytes, and the peer as a target.
+    fn same_process_pair(len: u64) -> (Arc<LocalMem>, Arc<LocalMem>, Arc<RemoteMem>, Target) {
+        let sp = peer(2, 1, Locality::SameProcess(std::sync::Weak::new()), false);
+        let r = remote(&sp, 0x9000_0000, len, 1);
+        (mem(ME, 0x1000_0000, len, 1), mem(7002, 0x9000_0000, len, 1), r, Target::Peer(sp))
+    }
+
     fn run(cfg: &Config, rails: usize, target: &Target, pairs: &[Pair], reach: &dyn Reach) -> Result<Plan> {
         run_on(1, cfg, rails, target, pairs, reach)
     }
@@ -1135,11 +1143,7 @@ mod tests {
     #[test]
     fn same_process_host_copies_pool_by_the_request_total_whatever_the_first_block_guessed() {
         let cfg = Config::defaults();
-        let l = mem(ME, 0x1000_0000, 64 << 20, 1);
-        let sp = peer(2, 1, Locality::SameProcess(std::sync::Weak::new()), false);
-        let theirs = mem(7002, 0x9000_0000, 64 << 20, 1);
-        let r = remote(&sp, 0x9000_0000, 64 << 20, 1);
-        let t = Target::Peer(sp);
+        let (l, theirs, r, t) = same_process_pair(64 << 20);
         // (offset, length) per descriptor, both sides at the same offsets, 512 of them
         let plan_of = |lens: &dyn Fn(u64) -> u64| {
             let mut off = 0;
@@ -1220,11 +1224,7 @@ mod tests {
     #[test]
     fn parts_settle_same_process_host_copies_by_the_whole_request() {
         let cfg = Config::defaults();
-        let l = mem(ME, 0x1000_0000, 256 << 20, 1);
-        let sp = peer(2, 1, Locality::SameProcess(std::sync::Weak::new()), false);
-        let theirs = mem(7002, 0x9000_0000, 256 << 20, 1);
-        let r = remote(&sp, 0x9000_0000, 256 << 20, 1);
-        let t = Target::Peer(sp);
+        let (l, theirs, r, t) = same_process_pair(256 << 20);
         // Each part's first block guesses small (16 B x count < 2 MiB would stay direct), the
         // whole request is 16384 x ~8 KiB: every part's copies go to the pool.
         let mut off = 0;
