@@ -68,7 +68,7 @@ tunables! {
     plan_at_post: bool = Bool, "true", "NIXL_FABRIC_PLAN_AT_POST",
         "NIXL adapter: a request's descriptors are checked and planned at its first postXfer (where NIXL's UCX plugin does its per-descriptor work; reposts reuse the plan), so make_prepped_xfer/initialize_xfer cost what the agent's own part costs; false plans in prepXfer, so that a request made ahead of time posts with no per-descriptor work and a bad descriptor fails its creation rather than its first post";
     plan_threads: u64 = U64, "0", "NIXL_FABRIC_PLAN_THREADS",
-        "threads that check and plan one request of many descriptors (at least 8192: a part of at least 4096 each, the posting thread taking the first) at its first post or creation; 0 = half the cores this process may run on, at most 8; 1 plans on the posting thread alone";
+        "threads that check and plan one request of many descriptors (at least 32768: a part of at least 4096 each, the posting thread taking the first) at its first post or creation; 0 = half the cores this process may run on, at most 8; 1 plans on the posting thread alone";
     max_notif_size: u64 = Size, "65536", "NIXL_FABRIC_MAX_NOTIF_SIZE",
         "largest notification message in bytes";
     ctrl_recv_count: u64 = U64, "64", "NIXL_FABRIC_CTRL_RECV_COUNT",

@@ -183,7 +183,7 @@ fn kv_batch_over_two_rails_goes_in_runs() {
     b.shutdown();
 }
 
-/// A request of 20000 descriptors over two tcp rails, planned by four threads: every block
+/// A request of 40000 descriptors over two tcp rails, planned by four threads: every block
 /// lands in its slot both ways, the rails share the runs as a plan of one thread shares them,
 /// and a bad descriptor in a later part fails the request with its place in the list.
 #[test]
@@ -193,8 +193,8 @@ fn long_requests_planned_in_parts_move_every_block() {
     c.set("rails", "2").unwrap();
     c.set("plan_threads", "4").unwrap();
     let (a, b) = connected_pair(c);
-    const N: usize = 20_000;
-    const BS: usize = 256;
+    const N: usize = 40_000;
+    const BS: usize = 128;
     let src: Vec<u8> = (0..N * BS).map(|i| (i * 31 + 7) as u8).collect();
     let mut dst = vec![0u8; N * BS];
     let ms = a.register(src.as_ptr() as u64, src.len() as u64, MemKind::Dram, 0).unwrap();
@@ -223,9 +223,9 @@ fn long_requests_planned_in_parts_move_every_block() {
         drop(req);
     }
     let mut bad = pairs.clone();
-    bad[15_001].remote.0 = dst.as_ptr() as u64 + (N * BS) as u64;
+    bad[35_001].remote.0 = dst.as_ptr() as u64 + (N * BS) as u64;
     let e = a.prepare(Op::Write, &bad, "b").err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("descriptor 15001"), "{e}");
+    assert!(e.contains("descriptor 35001"), "{e}");
     drop((pairs, bad));
     drop((rd, ms, md));
     a.shutdown();

@@ -292,13 +292,13 @@ def test_plan_at_post_or_prep(ctx, plan_at_post):
 
 @pytest.mark.parametrize("plan_at_post", ["true", "false"])
 def test_many_descriptors_planned_in_parts(ctx, plan_at_post):
-    """A request of 20000 descriptors planned by four threads at once (plan_threads; on a
+    """A request of 40000 descriptors planned by four threads at once (plan_threads; on a
     host of eight cores or more that is the default) moves every byte to its slot, READ and
     WRITE, posted twice, through the agent's own descriptor lists (the C ABI's meta lists)."""
     if U.IS_UCX:
         pytest.skip("a key of our plugin")
     ini, tgt = ctx.pair(params={"plan_at_post": plan_at_post, "plan_threads": "4"})
-    n, size = 20000, 64
+    n, size = 40000, 64
     L = ctx.region(ini, n, size, 8, seed=31)
     R = ctx.region(tgt, n, size, 24, seed=32)
     U.connect(ini, tgt)
