@@ -9,9 +9,11 @@ B=$(pwd)/.gpu
 export PYTHONPATH=/tmp/nixl/site
 OUT0=$OUT
 V="--requests ${PLAN_REQUESTS:-256,1024} --reps ${PLAN_REPS:-5} --no-gather"
-OUT=$OUT0/full RUN_GPU_ONLY=vllm VLLM_BUDGET=${PLAN_BUDGET:-100} VLLM_ARGS="--requests 256,1024 --reps 3" \
-  bash $B/run-gpu.sh > $OUT0/full.log 2>&1
-grep -E "create per|blocks end to end|random|contiguous" $OUT0/full.log | tail -14
+if [ "${PLAN_FULL:-1}" = 1 ]; then  # PLAN_FULL=0: ours alone (a short call)
+  OUT=$OUT0/full RUN_GPU_ONLY=vllm VLLM_BUDGET=${PLAN_BUDGET:-100} VLLM_ARGS="--requests 256,1024 --reps 3" \
+    bash $B/run-gpu.sh > $OUT0/full.log 2>&1
+  grep -E "create per|blocks end to end|random|contiguous" $OUT0/full.log | tail -14
+fi
 for r in $(seq ${PLAN_ROUNDS:-2}); do
   for t in 1 0; do
     # (round 2 logs each request's create line: its plan time and threads)
