@@ -40,7 +40,7 @@ pub fn coalesce(copies: &mut Vec<Copy>) {
         let (d, s, n) = copies[i];
         if kept > 0 {
             let last = &mut copies[kept - 1];
-            if last.0 + last.2 as u64 == d && last.1 + last.2 as u64 == s {
+            if continues(last, &(d, s, n)) {
                 last.2 += n;
                 continue;
             }
@@ -49,6 +49,11 @@ pub fn coalesce(copies: &mut Vec<Copy>) {
         kept += 1;
     }
     copies.truncate(kept);
+}
+
+/// Whether `next` starts where `last` ends, on both sides.
+fn continues(last: &Copy, next: &Copy) -> bool {
+    last.0 + last.2 as u64 == next.0 && last.1 + last.2 as u64 == next.1
 }
 
 impl Copier {
@@ -80,11 +85,11 @@ impl Copier {
     }
 
     /// Starts a job's device-to-device ranges as they are read from `dev` (at most `n` of
-    /// them; the context is current): adjacent ones coalesce, and every launch's worth of
-    /// ranges of at most KERNEL_MAX_RANGE goes to the gather kernel at once, round robin over
-    /// the streams, so the GPU starts on the first blocks while the rest are read (the vLLM
-    /// pattern's 65,536 ranges were listed, coalesced and split into lists before the first
-    /// launch). Returns the events that complete after the launches, and the ranges left for
+    /// them; the context is current): adjacent ones coalesce (as `coalesce` joins them), and
+    /// every launch's worth of ranges of at most KERNEL_MAX_RANGE goes to the gather kernel at
+    /// once, round robin over the streams, so the GPU starts on the first blocks while the
+    /// rest are read (the vLLM pattern's 65,536 ranges were listed, coalesced and split into
+    /// lists before the first launch). Returns the events that complete after the launches, and the ranges left for
     /// the copy engines (`queue`): long ones, and every one where the kernel cannot run here
     /// (not loadable, off by config, a single range, or a launch refused).
     ///
@@ -128,7 +133,7 @@ impl Copier {
         };
         for c in dev {
             if let Some(p) = &mut pending {
-                if p.0 + p.2 as u64 == c.0 && p.1 + p.2 as u64 == c.1 && p.2 + c.2 <= KERNEL_MAX_RANGE {
+                if continues(p, &c) {
                     p.2 += c.2;
                     continue;
                 }
