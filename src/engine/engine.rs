@@ -157,7 +157,7 @@ impl Engine {
         let cma_spin = Duration::from_micros(core.cfg.cma_spin_us);
         let cma_min_piece = core.cfg.cma_min_piece;
         let rma_batch = core.cfg.rma_batch;
-        let core_cfg_plan_threads = core.cfg.plan_threads;
+        let plan_threads = scheduler::plan_threads(core.cfg.plan_threads, cores);
         let driver = Driver::new(core.clone(), inbox.clone(), ports, |rails| {
             Ok(vec![
                 Box::new(transport::rma::Rma::new(0, rails, rma_batch)?) as Box<dyn Transport>,
@@ -200,7 +200,7 @@ impl Engine {
             next_peer_id: AtomicU64::new(1),
             rr: AtomicUsize::new(0),
             rr_chunks: AtomicUsize::new(0),
-            plan_threads: scheduler::plan_threads(core_cfg_plan_threads, cores),
+            plan_threads,
             threaded,
             shut: AtomicBool::new(false),
             _token: token,

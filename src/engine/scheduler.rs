@@ -330,21 +330,9 @@ fn plan_in_parts<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, 
     // written.
     unsafe { all.segs.set_len(total) };
     for p in done {
-        for k in p.keeps {
-            if !all.keeps.iter().any(|x| x.same(&k)) {
-                all.keeps.push(k);
-            }
-        }
-        for m in p.locals {
-            if !all.locals.iter().any(|x| Arc::ptr_eq(x, &m)) {
-                all.locals.push(m);
-            }
-        }
-        for m in p.remotes {
-            if !all.remotes.iter().any(|x| Arc::ptr_eq(x, &m)) {
-                all.remotes.push(m);
-            }
-        }
+        p.keeps.into_iter().for_each(|k| push_new(&mut all.keeps, k, Keep::same));
+        p.locals.into_iter().for_each(|m| push_new(&mut all.locals, m, Arc::ptr_eq));
+        p.remotes.into_iter().for_each(|m| push_new(&mut all.remotes, m, Arc::ptr_eq));
         all.sum.join(&p.sum);
         all.ways += p.ways;
         all.resolve_ns += p.resolve_ns;
@@ -504,6 +492,13 @@ fn plan_part<'a>(inp: &Inputs, target: &Target, span: Span, mut pairs: impl Iter
     Ok((Plan { segs, keeps: ways.keeps, locals: ways.locals, remotes: ways.remotes, sum, ways: n, resolve_ns, parts: 1 }, pool))
 }
 
+/// Appends `x` unless `v` holds the same already (a request's few registrations and keeps).
+fn push_new<T>(v: &mut Vec<T>, x: T, same: impl Fn(&T, &T) -> bool) {
+    if !v.iter().any(|y| same(y, &x)) {
+        v.push(x);
+    }
+}
+
 impl Pair<'_> {
     /// The registration pair a descriptor pair names.
     fn key(&self) -> (usize, usize) {
@@ -523,12 +518,8 @@ impl Ways {
             }
         }
         self.seen.insert(p.key(), w);
-        if !self.locals.iter().any(|x| Arc::ptr_eq(x, lm)) {
-            self.locals.push(lm.clone());
-        }
-        if !self.remotes.iter().any(|x| Arc::ptr_eq(x, rm)) {
-            self.remotes.push(rm.clone());
-        }
+        push_new(&mut self.locals, lm.clone(), Arc::ptr_eq);
+        push_new(&mut self.remotes, rm.clone(), Arc::ptr_eq);
         Ok(w)
     }
 }
@@ -668,9 +659,7 @@ fn resolve(inp: &Inputs, reach: &dyn Reach, target: &Target, mems: (&Arc<LocalMe
             let same_host = cma_route(inp.cfg, peer, lm, desc).map(|kind| (0, kind, Keep::Process))
                 .or_else(|| direct_route(inp.cfg, reach, peer, lm, (desc, opened)));
             if let Some((shift, kind, keep)) = same_host {
-                if !keeps.iter().any(|k| k.same(&keep)) {
-                    keeps.push(keep);
-                }
+                push_new(keeps, keep, Keep::same);
                 return Ok(Way::SameHost { kind, shift });
             }
             let lstaged = lm.dev.filter(|d| d.staged);
@@ -773,11 +762,7 @@ fn direct_route(cfg: &Config, reach: &dyn Reach, peer: &Peer, lm: &LocalMem,
         Locality::SameHost(_) if ipc_on => {
             if let Some(ipc) = desc.ipc.as_ref() {
                 let e = reach.ipc_open(peer, ipc, lm.dev.map(|d| d.ctx))?;
-                let mut held = opened.lock().unwrap_or_else(|p| p.into_inner());
-                if !held.iter().any(|x| Arc::ptr_eq(x, &e)) {
-                    held.push(e.clone());
-                }
-                drop(held);
+                push_new(&mut opened.lock().unwrap_or_else(|p| p.into_inner()), e.clone(), Arc::ptr_eq);
                 pin(lm, Some(e.ctx));
                 let shift = e.base.wrapping_sub(e.remote_base);
                 let dev = lm.dev.is_some();
