@@ -6,6 +6,7 @@
 #   OUT=$OUT bash tests/gpu/next-call.sh b     (~140 s)
 #   OUT=$OUT bash tests/gpu/next-call.sh c     (~180 s on the H100; 2026-12-06 afternoon)
 #   OUT=$OUT bash tests/gpu/next-call.sh d     (~300 s)
+#   OUT=$OUT bash tests/gpu/next-call.sh e     (~360 s; 2026-12-07)
 # a:
 #  1. #24: FI_HMEM between two processes on shm, now registered FI_HMEM_DEVICE_ONLY (shm's
 #     device-to-device IPC protocol; 0.14-0.60x shm's DRAM rate before), and the one-process
@@ -27,6 +28,9 @@
 #     again with plan_at_post=false (the plan in prepXfer: create and post as before).
 # 10. #23: same-host DRAM with progress threads off, ours and UCX, twice as the host places
 #     the processes, and once with every process of both backends pinned to cores 2-5.
+# e (#24 on the H200 again, the same build of staging as af9d739's night run, where 20 of 24
+#    cases held 0.8x of DRAM): automatic rails with UCX tcp+cuda_copy beside it, then eight
+#    rails; both with the DRAM KV patterns over the same rails, all six staging patterns.
 # Everything goes into $OUT/next-call-<a|b|c|d>.tar.xz (each section's results under its own
 # name) and the summaries to stdout.
 set -u
@@ -79,6 +83,11 @@ d)
   run dram-np1 100 RUN_GPU_ONLY=dram DRAM_CONFIGS=ours-dflt-np,ucx-np DRAM_BUDGET=80
   run dram-np2 100 RUN_GPU_ONLY=dram DRAM_CONFIGS=ours-dflt-np,ucx-np DRAM_BUDGET=80
   PIN="taskset -c 2-5" run dram-pin 100 RUN_GPU_ONLY=dram DRAM_CONFIGS=ours-dflt-np,ucx-np DRAM_BUDGET=80
+  ;;
+e)
+  P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
+  run staging-auto 200 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
+  run staging-r8 150 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_TAG=-r8 NIXL_FABRIC_RAILS=8 STAGING_ONLY="$P"
   ;;
 esac
 tar -C "$W" -cJf "$OUT/next-call-${1:-a}.tar.xz" .
