@@ -52,6 +52,7 @@ static struct {
     long (*mock_batch_calls)(void);
     long (*mock_copy_calls)(void);
     long (*mock_kernel_launches)(void);
+    long (*mock_copied_bytes)(void);
     int (*mock_vmm_imported_ranges)(void);
     int (*mock_vmm_imported_handles)(void);
     /* The VMM API (optional: a VMM target is skipped without it). */
@@ -126,6 +127,7 @@ static bool cu_load(void) {
     SYM(mock_batch_calls, "mock_batch_calls");
     SYM(mock_copy_calls, "mock_copy_calls");
     SYM(mock_kernel_launches, "mock_kernel_launches");
+    SYM(mock_copied_bytes, "mock_copied_bytes");
     SYM(mock_vmm_imported_ranges, "mock_vmm_imported_ranges");
     SYM(mock_vmm_imported_handles, "mock_vmm_imported_handles");
     SYM(mem_create, "cuMemCreate");
@@ -1175,10 +1177,12 @@ static void ipc_many(int mode) {
             gpuc_t c0 = gpuc(x.e);
             long mb0 = cu.mock_batch_calls ? cu.mock_batch_calls() : 0;
             long mk0 = cu.mock_kernel_launches ? cu.mock_kernel_launches() : 0;
+            long mm0 = cu.mock_copied_bytes ? cu.mock_copied_bytes() : 0;
             int s = xfer(x.e, "t", op, ld, rd, N, wait_limit_s());
             gpuc_t c1 = gpuc(x.e);
             long mb1 = cu.mock_batch_calls ? cu.mock_batch_calls() : 0;
             long mk1 = cu.mock_kernel_launches ? cu.mock_kernel_launches() : 0;
+            long mm1 = cu.mock_copied_bytes ? cu.mock_copied_bytes() : 0;
             bool exact = false;
             char why[160] = "";
             if (s == NF_SUCCESS && op == NF_OP_WRITE) {
@@ -1223,6 +1227,8 @@ static void ipc_many(int mode) {
             if (g_mock) {
                 check((long)db == mb1 - mb0, "%s: the engine's gpu_batch_calls (+%" PRIu64 ") matches the driver's count (+%ld)", opname(op), db, mb1 - mb0);
                 check((long)dk == mk1 - mk0, "%s: the engine's gpu_kernel_launches (+%" PRIu64 ") matches the driver's count (+%ld)", opname(op), dk, mk1 - mk0);
+                if (cu.mock_copied_bytes)
+                    check(mm1 - mm0 == (long)(N * B), "%s: the driver moved each block once: %ld bytes (want %zu)", opname(op), mm1 - mm0, N * B);
             }
         }
         free(ld);

@@ -127,6 +127,11 @@ int mock_ipc_open_count(void) {
  * and cuMemcpy{HtoD,DtoH,DtoD}Async), so far. */
 long mock_batch_calls(void) { return __atomic_load_n(&n_batch, __ATOMIC_RELAXED); }
 long mock_copy_calls(void) { return __atomic_load_n(&n_copy, __ATOMIC_RELAXED); }
+/* Bytes the async copies, batch copies and kernel launches moved (a range copied twice
+ * counts twice: the byte check alone cannot see that, since both copies write the same). */
+static long n_moved;
+static void moved(size_t n) { __atomic_add_fetch(&n_moved, (long)n, __ATOMIC_RELAXED); }
+long mock_copied_bytes(void) { return __atomic_load_n(&n_moved, __ATOMIC_RELAXED); }
 
 CUresult cuInit(unsigned flags) {
     if (flags != 0) return INVALID_VALUE;
@@ -345,17 +350,21 @@ static CUresult counted(CUresult r) {
     if (r == OK) __atomic_add_fetch(&n_copy, 1, __ATOMIC_RELAXED);
     return r;
 }
+static CUresult counted_n(CUresult r, size_t n) {
+    if (r == OK) moved(n);
+    return counted(r);
+}
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st) {
     CUresult r = stream_ok(st);
-    return r ? r : counted(cuMemcpyHtoD_v2(d, s, n));
+    return r ? r : counted_n(cuMemcpyHtoD_v2(d, s, n), n);
 }
 CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st) {
     CUresult r = stream_ok(st);
-    return r ? r : counted(cuMemcpyDtoH_v2(d, s, n));
+    return r ? r : counted_n(cuMemcpyDtoH_v2(d, s, n), n);
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
     CUresult r = stream_ok(st);
-    return r ? r : counted(cuMemcpyDtoD_v2(d, s, n));
+    return r ? r : counted_n(cuMemcpyDtoD_v2(d, s, n), n);
 }
 
 /* A unified-addressing pointer: one inside a known allocation (device, pinned, registered,
@@ -370,7 +379,7 @@ CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
     if (r) return r;
     if (!range_ok(d, n) || !range_ok(s, n)) return INVALID_VALUE;
     memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n);
-    return counted(OK);
+    return counted_n(OK, n);
 }
 
 /* The batch copy: the checks the driver documents, then each copy in order. The legacy
@@ -391,8 +400,10 @@ static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_
     }
     for (size_t i = 0; i < count; i++)
         if (!range_ok(dsts[i], sizes[i]) || !range_ok(srcs[i], sizes[i])) return INVALID_VALUE;
-    for (size_t i = 0; i < count; i++)
+    for (size_t i = 0; i < count; i++) {
         memmove((void *)(uintptr_t)dsts[i], (void *)(uintptr_t)srcs[i], sizes[i]);
+        moved(sizes[i]);
+    }
     __atomic_add_fetch(&n_batch, 1, __ATOMIC_RELAXED);
     return OK;
 }
@@ -502,6 +513,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
         uint64_t e[3];
         memcpy(e, blk + 8 + 24 * (size_t)i, sizeof e);
         memmove((void *)(uintptr_t)e[0], (void *)(uintptr_t)e[1], e[2]);
+        moved(e[2]);
     }
     __atomic_add_fetch(&n_kernel, 1, __ATOMIC_RELAXED);
     return OK;

@@ -756,7 +756,10 @@ fn direct_route(cfg: &Config, reach: &dyn Reach, peer: &Peer, lm: &LocalMem,
             let ctx = lm.dev.map(|d| d.ctx).or(rm.dev.map(|d| d.ctx));
             pin(lm, ctx);
             pin(&rm, ctx);
-            let dev = lm.dev.is_some() && rm.dev.is_some();
+            // The gather kernel runs in one context and reaches the other side's memory
+            // only there (another device's memory needs peer access it may not have): ranges
+            // between two contexts go to the copy engines, which move them either way.
+            let dev = matches!((lm.dev, rm.dev), (Some(a), Some(b)) if a.ctx.id() == b.ctx.id());
             Some((0, SegKind::Direct { ctx, dev }, Keep::Local(Arc::downgrade(&rm))))
         }
         Locality::SameHost(_) if ipc_on => {

@@ -120,9 +120,12 @@ impl Copier {
                 let i = launches % streams.len();
                 // SAFETY: forwarded from the caller; both ends of every range are device memory.
                 match unsafe { k.launch(&streams[i], group) } {
-                    Ok(_) => {
-                        launches += 1;
-                        used = used.max(i + 1);
+                    Ok(made) => {
+                        // (A group of empty ranges makes no launch.)
+                        if made > 0 {
+                            launches += made;
+                            used = used.max(i + 1);
+                        }
                         group.clear();
                         return;
                     }
@@ -152,20 +155,27 @@ impl Copier {
             if p.2 > KERNEL_MAX_RANGE { spill.push(p) } else { group.push(p) }
         }
         launch(&mut group, &mut spill, &mut refused);
-        let mut events = Vec::with_capacity(used);
+        add(&core.counters.gpu_kernel_launches, launches as u64);
         if let Some(e) = refused {
             log::info!("{}: the gather-copy kernel failed to launch ({e}); device ranges go to the copy engines", core.name);
-            // (What it launched before the refusal completes on its streams first.)
-            for s in &streams[..used] {
-                s.synchronize()?;
-            }
+            // The module goes with the kernel: every launch from it, this request's and the
+            // earlier jobs' still running on any of the streams, ends first.
+            settle(streams)?;
             self.kernels.insert(ctx.id(), None);
-        } else {
-            for s in &streams[..used] {
-                events.push(s.record()?);
+            return Ok((Vec::new(), spill));
+        }
+        let mut events = Vec::with_capacity(used);
+        for s in &streams[..used] {
+            match s.record() {
+                Ok(ev) => events.push(ev),
+                Err(e) => {
+                    // Without its events the job cannot wait for what was launched: the
+                    // request fails only after it ended (the memory is the caller's again).
+                    let _ = settle(&streams[..used]);
+                    return Err(e.into());
+                }
             }
         }
-        add(&core.counters.gpu_kernel_launches, launches as u64);
         Ok((events, spill))
     }
 
@@ -201,7 +211,11 @@ impl Copier {
                     log::info!("{}: the CUDA driver cannot batch copies ({e}); one copy per descriptor from now on", core.name);
                     self.batch_off = true;
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => {
+                    // (Whatever the call queued before it failed ends before the request does.)
+                    let _ = settle(&streams[..1]);
+                    return Err(e.into());
+                }
             }
         }
         if copy_events.is_empty() {
@@ -214,18 +228,32 @@ impl Copier {
                 });
             }
             let used = copies.len().min(streams.len());
-            for (i, (d, s, n)) in copies.iter().enumerate() {
-                // SAFETY: forwarded from the caller.
-                unsafe { streams[i % used].copy_async(*d, *s, *n)? };
-            }
-            for s in &streams[..used] {
-                copy_events.push(s.record()?);
+            let queued = (|| {
+                for (i, (d, s, n)) in copies.iter().enumerate() {
+                    // SAFETY: forwarded from the caller.
+                    unsafe { streams[i % used].copy_async(*d, *s, *n)? };
+                }
+                streams[..used].iter().map(|s| s.record()).collect::<std::result::Result<Vec<_>, _>>()
+            })();
+            match queued {
+                Ok(evs) => copy_events.extend(evs),
+                Err(e) => {
+                    // Copies queued before the failure end before the request does.
+                    let _ = settle(&streams[..used]);
+                    return Err(e.into());
+                }
             }
             add(&core.counters.gpu_copy_calls, copies.len() as u64);
         }
         events.extend(copy_events);
         Ok(events)
     }
+}
+
+/// Waits until everything queued on `streams` has ended: before a failed request gives its
+/// memory back, and before a kernel's module is unloaded.
+pub fn settle(streams: &[cuda::Stream]) -> std::result::Result<(), cuda::CudaError> {
+    streams.iter().try_for_each(|s| s.synchronize())
 }
 
 /// Whether every event has completed (under its context, which the caller made current).
@@ -239,7 +267,9 @@ pub fn all_done(events: &[cuda::Event]) -> Result<bool> {
 
 #[cfg(test)]
 mod tests {
-    use super::coalesce;
+    use super::{coalesce, Copier, Copy};
+    use crate::cuda;
+    use crate::engine::transport::fake::{in_mock_cuda, mock_child, Bench};
 
     #[test]
     fn coalescing_merges_only_runs_adjacent_on_both_sides() {
@@ -256,5 +286,112 @@ mod tests {
         let mut v = vec![(0, 0, 4), (4, 4, 4), (100, 50, 1), (200, 300, 2), (202, 302, 2), (204, 304, 2), (9, 9, 1), (10, 10, 1)];
         coalesce(&mut v);
         assert_eq!(v, vec![(0, 0, 8), (100, 50, 1), (200, 300, 6), (9, 9, 2)]);
+    }
+
+    #[test]
+    fn streamed_launches_coalesce_spill_and_move_each_range_once() {
+        for child in ["streamed_child", "streamed_refused_child"] {
+            if !in_mock_cuda("copier-streamed", &format!("engine::transport::direct::copier::tests::{child}")) {
+                return;
+            }
+        }
+    }
+
+    const BLOCK: usize = 64 << 10;
+    const RUNS: usize = 44;
+
+    /// (dst offset, src offset, len) of a request's ranges, in order: one run of 80 adjacent
+    /// blocks (5 MiB once joined: past KERNEL_MAX_RANGE, so the copy engines'), RUNS runs of
+    /// four adjacent blocks whose destinations go in reverse run order (each run one 256 KiB
+    /// range), and lone 4 KiB ranges between the runs.
+    fn pattern() -> Vec<(usize, usize, usize)> {
+        let mut v: Vec<(usize, usize, usize)> = (0..80).map(|i| (i * BLOCK, i * BLOCK, BLOCK)).collect();
+        let base = 80 * BLOCK;
+        for r in 0..RUNS {
+            for b in 0..4 {
+                v.push((base + (RUNS - 1 - r) * 4 * BLOCK + b * BLOCK, base + r * 4 * BLOCK + b * BLOCK, BLOCK));
+            }
+            let lone = base + RUNS * 4 * BLOCK + r * 8192;
+            v.push((lone, lone + 4096, 4096));
+        }
+        v
+    }
+
+    /// Runs the pattern through launch_streamed and queue; checks every byte, that the
+    /// driver moved each byte once, and the launch count. Returns (launches, spilled).
+    fn streamed(limit: Option<&str>) -> (u64, Vec<Copy>) {
+        const LEN: usize = 24 << 20;
+        let b = Bench::new(1, false);
+        let p = cuda::Context::primary(0).expect("stand-in device");
+        let ctx: cuda::Context = *p;
+        ctx.make_current().unwrap();
+        let src = cuda::DeviceBuffer::new(&ctx, LEN).unwrap();
+        let dst = cuda::DeviceBuffer::new(&ctx, LEN).unwrap();
+        let bytes: Vec<u8> = (0..LEN).map(|i| (i * 131 % 251) as u8).collect();
+        src.write(0, &bytes).unwrap();
+        dst.write(0, &vec![0u8; LEN]).unwrap();
+        let ranges = pattern();
+        let d = cuda::Driver::get().unwrap();
+        // SAFETY: the stand-in is already loaded (same handle); mock_copied_bytes has this signature.
+        let lib = unsafe { libloading::Library::new(d.path()) }.unwrap();
+        // SAFETY: as above.
+        let moved: unsafe extern "C" fn() -> std::ffi::c_long = unsafe { *lib.get(b"mock_copied_bytes\0").unwrap() };
+        if let Some(l) = limit {
+            std::env::set_var("MOCK_CUDA_LAUNCH_LIMIT", l);
+        }
+        // SAFETY: the stand-in driver's counter takes nothing.
+        let before = unsafe { moved() };
+        let mut c = Copier::default();
+        let it = ranges.iter().map(|&(dd, ss, n)| (dst.addr() + dd as u64, src.addr() + ss as u64, n));
+        // SAFETY: every range lies inside src/dst, which outlive the waits below.
+        let (events, spill) = unsafe { c.launch_streamed(&b.core, ctx, ranges.len(), it) }.unwrap();
+        // SAFETY: as above.
+        let more = unsafe { c.queue(&b.core, ctx, spill.clone()) }.unwrap();
+        for ev in events.iter().chain(&more) {
+            ev.synchronize().unwrap();
+        }
+        // SAFETY: as above.
+        let after = unsafe { moved() };
+        std::env::remove_var("MOCK_CUDA_LAUNCH_LIMIT");
+        let total: usize = ranges.iter().map(|r| r.2).sum();
+        assert_eq!((after - before) as usize, total, "each byte moved once");
+        let mut want = vec![0u8; LEN];
+        for &(dd, ss, n) in &ranges {
+            want[dd..dd + n].copy_from_slice(&bytes[ss..ss + n]);
+        }
+        let mut got = vec![0u8; LEN];
+        dst.read(0, &mut got).unwrap();
+        if let Some(at) = (0..LEN).find(|&i| got[i] != want[i]) {
+            panic!("byte {at} differs: got {} want {}", got[at], want[at]);
+        }
+        let launches = b.core.counters.gpu_kernel_launches.load(std::sync::atomic::Ordering::Relaxed);
+        (launches, spill.iter().map(|&(dd, ss, n)| ((dd - dst.addr()), (ss - src.addr()), n)).collect())
+    }
+
+    #[test]
+    #[ignore = "run by streamed_launches_coalesce_spill_and_move_each_range_once in a child process"]
+    fn streamed_child() {
+        if !mock_child() {
+            return;
+        }
+        let (launches, spill) = streamed(None);
+        // The 80 blocks joined into one range over KERNEL_MAX_RANGE: the copy engines'.
+        assert_eq!(spill, vec![(0, 0, 80 * BLOCK)]);
+        // 88 ranges (44 joined runs, 44 lone ones) spread over the streams.
+        assert!((1..=super::FALLBACK_STREAMS as u64).contains(&launches), "{launches} launches");
+    }
+
+    #[test]
+    #[ignore = "run by streamed_launches_coalesce_spill_and_move_each_range_once in a child process"]
+    fn streamed_refused_child() {
+        if !mock_child() {
+            return;
+        }
+        // The second launch is refused: its group and every later range go to the copy engines.
+        let (launches, spill) = streamed(Some("1"));
+        assert_eq!(launches, 1);
+        assert!(spill.len() > 1 && spill[0] == (0, 0, 80 * BLOCK), "{spill:?}");
+        // The joined runs reach the copy engines joined.
+        assert!(spill.iter().any(|s| s.2 == 4 * BLOCK), "{spill:?}");
     }
 }

@@ -94,7 +94,15 @@ impl Direct {
         host.extend(spill);
         if !host.is_empty() {
             // SAFETY: as above.
-            events.extend(unsafe { self.copier.queue(cx.core, ctx, host) }?);
+            match unsafe { self.copier.queue(cx.core, ctx, host) } {
+                Ok(evs) => events.extend(evs),
+                Err(e) => {
+                    // The launches above still run: the request fails once they ended, so
+                    // that its memory is the caller's again when it learns of the failure.
+                    events.iter().for_each(|ev| { let _ = ev.synchronize(); });
+                    return Err(e);
+                }
+            }
         }
         add(&cx.core.counters.ops_posted, 1);
         self.jobs.push(Job { req: req.clone(), epoch, bytes, ctx, events });
