@@ -905,6 +905,7 @@ mod tests {
             rail0_saw: true,
             packed_staging: true,
             eager_write,
+            lends: true,
         };
         let route = (0..rails).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
         Arc::new(Peer::new(id, &format!("p{id}"), info, Vec::new(), route, true, cma, local))

@@ -94,8 +94,11 @@ const CONN_FLAG_PACKED_STAGING: u16 = 4;
 /// Connection-info flag: takes PUT control messages (small writes carried in the message).
 /// No field.
 const CONN_FLAG_EAGER_WRITE: u16 = 8;
+/// Connection-info flag: serves stage requests of direction LEND (it packs a chunk of its
+/// GPU memory into a slot of its own for the requester to RMA-read). No field.
+const CONN_FLAG_LENDS: u16 = 16;
 /// The flags a decoder keeps (others are ignored: a newer peer's).
-pub const CONN_FLAGS_KNOWN: u16 = CONN_FLAG_PROCESS | CONN_FLAG_RAIL0_SAW | CONN_FLAG_PACKED_STAGING | CONN_FLAG_EAGER_WRITE;
+pub const CONN_FLAGS_KNOWN: u16 = CONN_FLAG_PROCESS | CONN_FLAG_RAIL0_SAW | CONN_FLAG_PACKED_STAGING | CONN_FLAG_EAGER_WRITE | CONN_FLAG_LENDS;
 
 /// Everything a peer needs to reach an engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -113,6 +116,8 @@ pub struct ConnInfo {
     pub packed_staging: bool,
     /// It takes PUT messages (flags bit 3); builds before them do not say so.
     pub eager_write: bool,
+    /// It lends packed slots for staged READs (flags bit 4; stage direction LEND).
+    pub lends: bool,
 }
 
 impl ConnInfo {
@@ -121,7 +126,8 @@ impl ConnInfo {
         let flags = if self.process.is_some() { CONN_FLAG_PROCESS } else { 0 }
             | if self.rail0_saw { CONN_FLAG_RAIL0_SAW } else { 0 }
             | if self.packed_staging { CONN_FLAG_PACKED_STAGING } else { 0 }
-            | if self.eager_write { CONN_FLAG_EAGER_WRITE } else { 0 };
+            | if self.eager_write { CONN_FLAG_EAGER_WRITE } else { 0 }
+            | if self.lends { CONN_FLAG_LENDS } else { 0 };
         w.bytes(CONN_MAGIC).u16(CONN_VERSION).u16(flags).u64(self.engine_id).bytes(&self.host_id);
         w.short(self.agent.as_bytes()).u16(self.rails.len() as u16);
         for r in &self.rails {
@@ -168,7 +174,8 @@ impl ConnInfo {
         };
         r.finish()?;
         Ok(ConnInfo { engine_id, host_id, agent, rails, process, rail0_saw: flags & CONN_FLAG_RAIL0_SAW != 0,
-                      packed_staging: flags & CONN_FLAG_PACKED_STAGING != 0, eager_write: flags & CONN_FLAG_EAGER_WRITE != 0 })
+                      packed_staging: flags & CONN_FLAG_PACKED_STAGING != 0, eager_write: flags & CONN_FLAG_EAGER_WRITE != 0,
+                      lends: flags & CONN_FLAG_LENDS != 0 })
     }
 }
 
@@ -397,6 +404,12 @@ pub enum CtrlType {
     Put = 8,
     /// The answer to a Put once its bytes are in place (payload: [`StageAck`]'s layout).
     PutAck = 9,
+    /// The owner's answer to a LEND stage request: the chunk is packed in one of its slots,
+    /// which it names for the requester's RMA read (payload: [`StageLent`]).
+    StageLent = 10,
+    /// The requester read a lent slot (or gave up on it): the owner takes it back (payload:
+    /// [`StageLent`]'s lease alone, 8 bytes).
+    StageRelease = 11,
 }
 
 /// A write carried in a control message: `ranges` of (receiver's address, the key of its
@@ -536,6 +549,11 @@ pub enum StageDir {
     /// Gather every range of device memory into one bounce slot (one launch), then
     /// RMA-write each range to the requester's memory.
     Push = 2,
+    /// Gather every range into one bounce slot of the owner's (one launch) and lend it: the
+    /// answer ([`StageLent`]) names the slot on the chunk's rail pair, the requester
+    /// RMA-reads it and then releases it (StageRelease). The ranges' requester addresses
+    /// and `peer_key` are not used. Only to peers whose connection info says `lends`.
+    Lend = 3,
 }
 
 /// Format of a stage request's payload (its first byte). 1 was one range per request,
@@ -597,6 +615,7 @@ impl Stage {
         let dir = match r.u8("direction")? {
             1 => StageDir::Pull,
             2 => StageDir::Push,
+            3 => StageDir::Lend,
             d => return Err(r.err(format!("unknown direction {d}"))),
         };
         let (rail, rrail, peer_key) = (r.u16("rail")?, r.u16("remote rail")?, r.u64("peer key")?);
@@ -616,6 +635,43 @@ impl Stage {
         }
         r.finish()?;
         Ok(Stage { token, dir, rail, rrail, peer_key, ranges })
+    }
+}
+
+/// A lent slot: the answer to a LEND stage request `token`. `lease` names it to the owner
+/// (StageRelease); the requester reads the chunk's bytes, back to back in range order,
+/// from `addr` (as the requester's rail of the chunk expects it: virtual address or offset)
+/// with `key` (the owner's key on its rail of the chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageLent {
+    pub token: u64,
+    pub lease: u64,
+    pub addr: u64,
+    pub key: u64,
+}
+
+impl StageLent {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.token).u64(self.lease).u64(self.addr).u64(self.key);
+        w.0
+    }
+    pub fn decode(b: &[u8]) -> Result<StageLent> {
+        let mut r = Reader::new(b, "lent slot");
+        let a = StageLent { token: r.u64("token")?, lease: r.u64("lease")?, addr: r.u64("address")?, key: r.u64("key")? };
+        r.finish()?;
+        Ok(a)
+    }
+    pub fn encode_release(lease: u64) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(lease);
+        w.0
+    }
+    pub fn decode_release(b: &[u8]) -> Result<u64> {
+        let mut r = Reader::new(b, "slot release");
+        let lease = r.u64("lease")?;
+        r.finish()?;
+        Ok(lease)
     }
 }
 
@@ -670,6 +726,8 @@ pub fn decode_ctrl(buf: &[u8]) -> Result<Ctrl<'_>> {
         7 => CtrlType::CopyAck,
         8 => CtrlType::Put,
         9 => CtrlType::PutAck,
+        10 => CtrlType::StageLent,
+        11 => CtrlType::StageRelease,
         t => return Err(Error::Malformed { what: "control message", why: format!("unknown type {t}") }),
     };
     let sender_id = r.u64("sender id")?;
@@ -696,7 +754,7 @@ mod tests {
             process: Some(ProcessInfo { pid: 42, token_addr: 0x7f00_0000_1000, token: [9; 16] }),
             rail0_saw: true,
             packed_staging: true,
-            eager_write: true,
+            eager_write: true, lends: true,
         }
     }
 
@@ -863,6 +921,13 @@ mod tests {
         }
         let a = StageAck { token: 9, status: -10 };
         assert_eq!(StageAck::decode(&a.encode()).unwrap(), a);
+        let l = StageLent { token: 3, lease: 7, addr: 1 << 40, key: 0xabc };
+        assert_eq!(StageLent::decode(&l.encode()).unwrap(), l);
+        assert!(StageLent::decode(&l.encode()[..31]).is_err());
+        assert_eq!(StageLent::decode_release(&StageLent::encode_release(7)).unwrap(), 7);
+        assert!(StageLent::decode_release(&[0; 9]).is_err());
+        let lend = Stage { dir: StageDir::Lend, ..s.clone() };
+        assert_eq!(Stage::decode(&lend.encode()).unwrap(), lend);
         for bad in [
             Stage { ranges: vec![(u64::MAX, 0, 3)], ..s.clone() },
             Stage { ranges: vec![(0, u64::MAX, 3)], ..s.clone() },

@@ -25,7 +25,7 @@ use crate::engine::counters::add;
 use crate::engine::gpu::DeviceMem;
 use crate::engine::ops::{OpKind, TOp};
 use crate::engine::request::{Op, Request, Route, Seg, SegKind};
-use crate::engine::wire::{Ctrl, CtrlType, Stage, StageAck, StageDir};
+use crate::engine::wire::{Ctrl, CtrlType, Stage, StageAck, StageDir, StageLent};
 use crate::error::{Error, Result, Status};
 use crate::fabric::Posted;
 use super::slab::Slab;
@@ -67,6 +67,8 @@ struct Job {
     left: usize,
     /// An operation of the chunk failed: it ends with this once the others are back.
     failed: Option<Error>,
+    /// The owner's slot lent to this chunk (LEND; lease, address, key), until released.
+    lease: Option<(u64, u64, u64)>,
     /// When the chunk started, and when its current step began (timing.rs).
     born: Instant,
     stamp: Instant,
@@ -157,7 +159,7 @@ impl Staging {
             _ => None,
         };
         let now = Instant::now();
-        let job = Job { req: req.clone(), epoch, first, n, slot, phase: Phase::WaitAck, peer_id: req.peer_id(), rma: Vec::new(), next_op: 0, left: 0, failed: None, born: now, stamp: now };
+        let job = Job { req: req.clone(), epoch, first, n, slot, phase: Phase::WaitAck, peer_id: req.peer_id(), rma: Vec::new(), next_op: 0, left: 0, failed: None, lease: None, born: now, stamp: now };
         let token = self.jobs.insert(job);
         if let Err(e) = self.first_step(cx, token) {
             self.finish(cx, token, Err(e));
@@ -176,7 +178,12 @@ impl Staging {
                 self.set_phase(token, Phase::CopyOut(ev));
             }
             (SegKind::DevToHost { .. }, Op::Read, Some(_)) => self.post_rma(cx, token),
-            (SegKind::DevToDev { .. }, Op::Read, Some(_)) => self.ask(cx, token, StageDir::Push)?,
+            (SegKind::DevToDev { .. }, Op::Read, Some(_)) => {
+                // The chunk crosses the rails by our RMA read of the owner's slot where the
+                // owner lends slots, else by its RMA write into ours.
+                let lend = cx.core.cfg.staging_lend_reads && j.req.peer().is_some_and(|p| p.info.lends);
+                self.ask(cx, token, if lend { StageDir::Lend } else { StageDir::Push })?
+            }
             (SegKind::HostToDev { .. }, op, None) => self.ask(cx, token, if op == Op::Write { StageDir::Pull } else { StageDir::Push })?,
             _ => return Err(Error::Backend(format!("segment {} cannot be staged as {kind:?}", j.first))),
         }
@@ -241,8 +248,13 @@ impl Staging {
         if j.rma.is_empty() && j.next_op == 0 {
             j.stamp = Instant::now();
             let batch = cx.rails.get(rail).map_or(1, |r| r.caps().rma_batch).min(cx.core.cfg.rma_batch.max(1) as usize);
-            j.rma = rma_ops(j.segs().iter().map(|s| (s.raddr, s.len as usize)), batch);
+            j.rma = match j.lease {
+                // (The owner's slot holds the chunk back to back: one read.)
+                Some((_, addr, _)) => rma_ops(std::iter::once((addr, j.bytes() as usize)), batch),
+                None => rma_ops(j.segs().iter().map(|s| (s.raddr, s.len as usize)), batch),
+            };
         }
+        let rkey = j.lease.map_or(s.rkey, |l| l.2);
         j.phase = Phase::Rma;
         let res = (|| -> Result<()> {
             let dest = cx.conns.addr(j.peer_id, rail, s.rrail as usize)?;
@@ -254,7 +266,7 @@ impl Staging {
                 let pieces = &j.rma[j.next_op];
                 let len: usize = pieces.iter().map(|p| p.2).sum();
                 let op = OpKind::Transport(TOp { owner: self.owner, tag: JOB_RMA, rail: rail as u16, slot: false, inline: false, req: Some(j.req.clone()), epoch: j.epoch, token, len: len as u64 });
-                match p.post(&**port, cx.core, cx.ops, op, slot, write, dest, pieces, s.rkey)? {
+                match p.post(&**port, cx.core, cx.ops, op, slot, write, dest, pieces, rkey)? {
                     Posted::Ok => {
                         j.next_op += 1;
                         j.left += 1;
@@ -280,6 +292,7 @@ impl Staging {
 
     /// A chunk ended: its slot goes back, its post learns the outcome.
     fn finish(&mut self, cx: &mut Cx, token: u64, res: Result<()>) {
+        Self::release(cx, self.jobs.get_mut(token));
         let Some(job) = self.jobs.remove(token) else { return };
         if let (Some(slot), Some(pool)) = (job.slot, self.pool.as_mut()) {
             pool.give(slot, true);
@@ -289,6 +302,29 @@ impl Staging {
         }
         let len = job.bytes();
         cx.piece(job.req, job.epoch, len, res);
+    }
+
+    /// Gives the owner back the slot it lent the job, if it holds one (once: the lease is
+    /// taken). A peer that is gone needs no release (it dropped our leases).
+    fn release(cx: &mut Cx, job: Option<&mut Job>) {
+        let Some(j) = job else { return };
+        let Some((lease, _, _)) = j.lease.take() else { return };
+        if let Ok(dest) = cx.conns.ctrl_addr(j.peer_id) {
+            cx.ctrl(j.peer_id, dest, CtrlType::StageRelease, &StageLent::encode_release(lease));
+        }
+    }
+
+    /// The owner packed a LEND chunk in its slot: read it from there.
+    fn on_lent(&mut self, cx: &mut Cx, sender: &str, lent: StageLent) {
+        let Some(j) = self.jobs.get_mut(lent.token).filter(|j| matches!(j.phase, Phase::WaitAck) && j.lease.is_none()) else {
+            // Not ours to read (the chunk ended: its peer was dropped); the owner frees the
+            // slot when it drops us in turn.
+            log::warn!("{}: a lent slot from '{sender}' for no chunk waiting for one ({:#x})", cx.core.name, lent.token);
+            return;
+        };
+        self.times.add(Step::Owner, j.stamp);
+        j.lease = Some((lent.lease, lent.addr, lent.key));
+        self.post_rma(cx, lent.token);
     }
 
     /// Scatters a chunk that arrived in its slot into our device memory.
@@ -400,6 +436,11 @@ impl Staging {
         match (j.req.op, j.segs()[0].kind) {
             (Op::Write, _) => self.finish(cx, op.token, Ok(())),
             (Op::Read, SegKind::DevToHost { ctx }) => self.copy_in(cx, op.token, ctx),
+            (Op::Read, SegKind::DevToDev { ctx }) if j.lease.is_some() => {
+                // The bytes are in our slot: the owner's goes back before the scatter.
+                Self::release(cx, Some(j));
+                self.copy_in(cx, op.token, ctx)
+            }
             _ => self.finish(cx, op.token, Err(Error::Backend("unexpected staging RMA completion".into()))),
         }
     }
@@ -473,6 +514,14 @@ impl Transport for Staging {
             CtrlType::StageAck => match StageAck::decode(msg.payload) {
                 Ok(a) => self.on_ack(cx, a),
                 Err(e) => log::warn!("{}: dropping a stage answer from '{}': {e}", cx.core.name, msg.sender),
+            },
+            CtrlType::StageLent => match StageLent::decode(msg.payload) {
+                Ok(l) => self.on_lent(cx, msg.sender, l),
+                Err(e) => log::warn!("{}: dropping a lent slot from '{}': {e}", cx.core.name, msg.sender),
+            },
+            CtrlType::StageRelease => match StageLent::decode_release(msg.payload) {
+                Ok(lease) => self.serves.release(cx, &mut self.pool, msg.sender_id, lease),
+                Err(e) => log::warn!("{}: dropping a slot release from '{}': {e}", cx.core.name, msg.sender),
             },
             _ => return false,
         }
@@ -773,7 +822,7 @@ mod tests {
         let peer = init.peer(1, Locality::Remote);
         let info = crate::engine::wire::ConnInfo {
             engine_id: init.core.engine_id, host_id: [3; 16], agent: "init".into(),
-            rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None, rail0_saw: false, packed_staging: true, eager_write: false,
+            rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None, rail0_saw: false, packed_staging: true, eager_write: false, lends: false,
         };
         owner.conns.initiators.insert(init.core.engine_id, Initiator { name: "init".into(), info: Some(info), addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
         Pair { init, owner, ti: Staging::new(1, "test"), to: Staging::new(1, "test"), peer }
@@ -981,6 +1030,33 @@ mod tests {
         assert_eq!(launches(&i0, &i1), chunks as u64);
         assert_eq!(launches(&o0, &o1), chunks as u64);
         assert_eq!(i1.stage_requests - i0.stage_requests, chunks as u64);
+        assert!(p.owner.fakes.iter().any(|f| f.accepted().iter().any(|a| a.write)), "the owner pushed by RMA write");
+
+        // VRAM <- VRAM READ from an owner that lends slots: it gathers into a slot of its
+        // own, we RMA-read that into ours, give it back, and scatter.
+        let lender = p.init.peer_lending(2, Locality::Remote);
+        let push_peer = std::mem::replace(&mut p.peer, lender);
+        let lremote = remote_desc(&p, om.base, om.len, true);
+        ibuf.write(0, &vec![0u8; span as usize]).unwrap();
+        let back = pattern(span as usize, 31);
+        obuf.write(0, &back).unwrap();
+        let req = planned(&p, Op::Read, &bl, &im, &lremote);
+        let before: Vec<usize> = p.owner.fakes.iter().map(|f| f.accepted().len()).collect();
+        let (i0, o0) = (counters(&p.init), counters(&p.owner));
+        let pieces = p.run(&req);
+        assert!(pieces.iter().all(|x| x.res.is_ok()), "{:?}", pieces.iter().find_map(|x| x.res.as_ref().err()));
+        assert_eq!(pieces.iter().map(|x| x.bytes).sum::<u64>(), total);
+        ibuf.read(0, &mut got).unwrap();
+        expect(&got, &back, true, "VRAM<-VRAM READ of lent slots");
+        let (i1, o1) = (counters(&p.init), counters(&p.owner));
+        assert_eq!(launches(&i0, &i1), chunks as u64, "one scatter per chunk here");
+        assert_eq!(launches(&o0, &o1), chunks as u64, "one gather per chunk at the owner");
+        assert_eq!(i1.stage_requests - i0.stage_requests, chunks as u64, "one stage request per chunk");
+        assert!(p.owner.fakes.iter().zip(&before).all(|(f, &n)| f.accepted().len() == n), "the owner posted no RMA");
+        let reads: usize = p.init.fakes.iter().map(|f| f.accepted().iter().filter(|a| !a.write).count()).sum();
+        assert!(reads >= chunks, "we read every chunk ({reads} reads, {chunks} chunks)");
+        assert!(p.to.idle(), "every lent slot came back");
+        p.peer = push_peer;
 
         // DRAM -> VRAM WRITE and READ: only the owner stages; our host memory is RMA'd
         // directly, several blocks per operation.
@@ -1093,6 +1169,47 @@ mod tests {
         assert!(p.ti.idle());
         assert_eq!(p.ti.pool.as_ref().expect("a pool").free_slots(), 16);
         drop(theirs);
+
+        // A READ of lent slots whose requester goes once the owner lent them: the owner's
+        // slots come back at the disconnect; a release naming them from anyone else, or
+        // later, changes nothing.
+        p.init.fakes.iter().for_each(|f| f.disorder(false, 0));
+        p.peer = p.init.peer_lending(2, Locality::Remote);
+        let lremote = remote_desc(&p, om.base, om.len, true);
+        let req = planned(&p, Op::Read, &bl, &im, &lremote);
+        let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
+        assert!(s.pieces > 1);
+        deliver(&mut p.init, &mut p.owner, &mut p.to);
+        let mut lent = Vec::new();
+        for _ in 0..200 {
+            p.to.advance(&mut p.owner.cx());
+            for o in std::mem::take(&mut p.owner.out) {
+                if let super::super::Outcome::Ctrl(m) = o {
+                    let msg = wire::decode_ctrl(&m.bytes).expect("decodes");
+                    assert_eq!(msg.kind, CtrlType::StageLent, "the owner lends, it does not push");
+                    lent.push(StageLent::decode(msg.payload).expect("a lent slot"));
+                }
+            }
+            if lent.len() == s.pieces {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        assert_eq!(lent.len(), s.pieces, "every chunk was packed and lent");
+        let owner_pool = |p: &Pair| p.to.pool.as_ref().expect("the owner's pool").free_slots();
+        let held = owner_pool(&p);
+        let stranger = StageLent::encode_release(lent[0].lease);
+        let msg = encode_ctrl(CtrlType::StageRelease, 4242, "stranger", &stranger);
+        assert!(p.to.on_control(&mut p.owner.cx(), &wire::decode_ctrl(&msg).unwrap()));
+        assert_eq!(owner_pool(&p), held, "a release from another engine frees nothing");
+        p.to.drop_peer(&mut p.owner.cx(), 99, p.init.core.engine_id);
+        assert!(p.to.idle(), "the gone requester's lent slots end");
+        assert_eq!(owner_pool(&p), 16, "every slot of the owner is back");
+        let late = encode_ctrl(CtrlType::StageRelease, p.init.core.engine_id, "init", &stranger);
+        assert!(p.to.on_control(&mut p.owner.cx(), &wire::decode_ctrl(&late).unwrap()));
+        assert_eq!(owner_pool(&p), 16);
+        p.ti.drop_peer(&mut p.init.cx(), 2, 1002);
+        assert!(p.ti.idle());
     }
 
     #[test]
