@@ -107,11 +107,13 @@ pub struct Staging {
     times: Times,
     /// The engine's name, for the timing line.
     name: String,
+    /// Which way staged READs of peers' GPU memory go was logged (once an engine).
+    told_read_way: bool,
 }
 
 impl Staging {
     pub fn new(owner: u8, name: &str) -> Staging {
-        Staging { owner, pool: None, jobs: Slab::default(), serves: Serves::default(), next_key: POOL_KEYS, times: Times::default(), name: name.to_string() }
+        Staging { owner, pool: None, jobs: Slab::default(), serves: Serves::default(), next_key: POOL_KEYS, times: Times::default(), name: name.to_string(), told_read_way: false }
     }
 
     /// Most bytes and blocks of one chunk: a slot (ours, or the owner's, which is sized by
@@ -181,7 +183,15 @@ impl Staging {
             (SegKind::DevToDev { .. }, Op::Read, Some(_)) => {
                 // The chunk crosses the rails by our RMA read of the owner's slot where the
                 // owner lends slots, else by its RMA write into ours.
-                let lend = cx.core.cfg.staging_lend_reads && j.req.peer().is_some_and(|p| p.info.lends);
+                let lends = j.req.peer().is_some_and(|p| p.info.lends);
+                let lend = cx.core.cfg.staging_lend_reads && lends;
+                if !std::mem::replace(&mut self.told_read_way, true) {
+                    log::info!("{}: staged READs of a peer's GPU memory: {}", cx.core.name, match (lend, lends) {
+                        (true, _) => "the owner lends each packed chunk's slot and we RMA-read it",
+                        (false, true) => "the owner RMA-writes each packed chunk into our slot (staging_lend_reads=false)",
+                        (false, false) => "the owner RMA-writes each packed chunk into our slot (the peer lends no slots: an older build)",
+                    });
+                }
                 self.ask(cx, token, if lend { StageDir::Lend } else { StageDir::Push })?
             }
             (SegKind::HostToDev { .. }, op, None) => self.ask(cx, token, if op == Op::Write { StageDir::Pull } else { StageDir::Push })?,
