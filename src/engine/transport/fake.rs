@@ -432,17 +432,20 @@ impl Bench {
 
     /// `peer`, saying in its connection info whether its rail 0 orders sends after writes.
     pub fn peer_with(&mut self, id: u64, locality: Locality, rail0_saw: bool) -> Arc<Peer> {
-        self.peer_of(id, locality, rail0_saw, false)
+        self.peer_of(id, locality, rail0_saw, None)
     }
 
-    /// `peer`, whose connection info says it lends packed slots for staged READs.
-    pub fn peer_lending(&mut self, id: u64, locality: Locality) -> Arc<Peer> {
-        self.peer_of(id, locality, false, true)
+    /// `peer`, engine `engine_id` (its control messages' sender), whose connection info
+    /// says it lends packed slots for staged READs.
+    pub fn peer_lending(&mut self, id: u64, locality: Locality, engine_id: u64) -> Arc<Peer> {
+        self.peer_of(id, locality, false, Some(engine_id))
     }
 
-    fn peer_of(&mut self, id: u64, locality: Locality, rail0_saw: bool, lends: bool) -> Arc<Peer> {
+    /// (`lender`: the engine id of a peer that lends slots.)
+    fn peer_of(&mut self, id: u64, locality: Locality, rail0_saw: bool, lender: Option<u64>) -> Arc<Peer> {
         let n = self.rails.len();
-        let info = ConnInfo { engine_id: 1000 + id, host_id: [9; 16], agent: format!("peer{id}"), rails: (0..n).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None, rail0_saw, packed_staging: true, eager_write: false, lends };
+        let lends = lender.is_some();
+        let info = ConnInfo { engine_id: lender.unwrap_or(1000 + id), host_id: [9; 16], agent: format!("peer{id}"), rails: (0..n).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None, rail0_saw, packed_staging: true, eager_write: false, lends };
         let route = (0..n).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
         let peer = Arc::new(Peer::new(id, &format!("peer{id}"), info, Vec::new(), route, false, false, locality));
         let addrs = (0..n).map(|l| (0..n).map(|r| Some((10 * l + r) as FiAddr + 1)).collect()).collect();

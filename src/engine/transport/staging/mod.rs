@@ -69,6 +69,8 @@ struct Job {
     failed: Option<Error>,
     /// The owner's slot lent to this chunk (LEND; lease, address, key), until released.
     lease: Option<(u64, u64, u64)>,
+    /// What the chunk's stage request asked of the owner, once sent.
+    asked: Option<StageDir>,
     /// When the chunk started, and when its current step began (timing.rs).
     born: Instant,
     stamp: Instant,
@@ -161,7 +163,7 @@ impl Staging {
             _ => None,
         };
         let now = Instant::now();
-        let job = Job { req: req.clone(), epoch, first, n, slot, phase: Phase::WaitAck, peer_id: req.peer_id(), rma: Vec::new(), next_op: 0, left: 0, failed: None, lease: None, born: now, stamp: now };
+        let job = Job { req: req.clone(), epoch, first, n, slot, phase: Phase::WaitAck, peer_id: req.peer_id(), rma: Vec::new(), next_op: 0, left: 0, failed: None, lease: None, asked: None, born: now, stamp: now };
         let token = self.jobs.insert(job);
         if let Err(e) = self.first_step(cx, token) {
             self.finish(cx, token, Err(e));
@@ -241,6 +243,7 @@ impl Staging {
         };
         j.phase = Phase::WaitAck;
         j.stamp = Instant::now();
+        j.asked = Some(dir);
         let dest = cx.conns.ctrl_addr(j.peer_id)?;
         let st = Stage { token, dir, rail: first.rail, rrail: first.rrail, peer_key, ranges };
         add(&cx.core.counters.stage_requests, 1);
@@ -328,12 +331,21 @@ impl Staging {
         }
     }
 
-    /// The owner packed a LEND chunk in its slot: read it from there.
-    fn on_lent(&mut self, cx: &mut Cx, sender: &str, lent: StageLent) {
-        let Some(j) = self.jobs.get_mut(lent.token).filter(|j| matches!(j.phase, Phase::WaitAck) && j.lease.is_none()) else {
-            // Not ours to read (the chunk ended: its peer was dropped); the owner frees the
-            // slot when it drops us in turn.
+    /// The owner packed a LEND chunk in its slot: read it from there. The message is
+    /// untrusted: only the chunk's own owner, answering the LEND it was asked, is read.
+    fn on_lent(&mut self, cx: &mut Cx, sender_id: u64, sender: &str, lent: StageLent) {
+        let ours = |j: &Job| {
+            matches!(j.phase, Phase::WaitAck) && j.lease.is_none() && j.asked == Some(StageDir::Lend)
+                && j.req.peer().is_some_and(|p| p.info.engine_id == sender_id)
+        };
+        let Some(j) = self.jobs.get_mut(lent.token).filter(|j| ours(j)) else {
+            // No chunk of ours waits for it (it ended, or the message is not genuine): the
+            // slot goes back to its sender where we still reach it; else its lease runs out.
             log::warn!("{}: a lent slot from '{sender}' for no chunk waiting for one ({:#x})", cx.core.name, lent.token);
+            let to = cx.conns.peers.iter().find(|(_, c)| c.peer.info.engine_id == sender_id).map(|(&id, _)| id);
+            if let Some((pid, dest)) = to.and_then(|pid| cx.conns.ctrl_addr(pid).ok().map(|d| (pid, d))) {
+                cx.ctrl(pid, dest, CtrlType::StageRelease, &StageLent::encode_release(lent.lease));
+            }
             return;
         };
         self.times.add(Step::Owner, j.stamp);
@@ -530,7 +542,7 @@ impl Transport for Staging {
                 Err(e) => log::warn!("{}: dropping a stage answer from '{}': {e}", cx.core.name, msg.sender),
             },
             CtrlType::StageLent => match StageLent::decode(msg.payload) {
-                Ok(l) => self.on_lent(cx, msg.sender, l),
+                Ok(l) => self.on_lent(cx, msg.sender_id, msg.sender, l),
                 Err(e) => log::warn!("{}: dropping a lent slot from '{}': {e}", cx.core.name, msg.sender),
             },
             CtrlType::StageRelease => match StageLent::decode_release(msg.payload) {
@@ -829,6 +841,8 @@ mod tests {
             c.staging_chunk_size = CHUNK as u64;
             c.staging_buffer_size = 16 * CHUNK as u64;
             c.staging_ranges = 24;
+            // (A lent slot's lease is four timeouts: 0.4 s here.)
+            c.timeout_ms = 100;
             c
         };
         let mut init = Bench::with_config(RAILS, false, cfg());
@@ -1048,7 +1062,7 @@ mod tests {
 
         // VRAM <- VRAM READ from an owner that lends slots: it gathers into a slot of its
         // own, we RMA-read that into ours, give it back, and scatter.
-        let lender = p.init.peer_lending(2, Locality::Remote);
+        let lender = p.init.peer_lending(2, Locality::Remote, p.owner.core.engine_id);
         let push_peer = std::mem::replace(&mut p.peer, lender);
         let lremote = remote_desc(&p, om.base, om.len, true);
         ibuf.write(0, &vec![0u8; span as usize]).unwrap();
@@ -1199,11 +1213,11 @@ mod tests {
         assert_eq!(p.ti.pool.as_ref().expect("a pool").free_slots(), 16);
         drop(theirs);
 
-        // A READ of lent slots whose requester goes once the owner lent them: the owner's
-        // slots come back at the disconnect; a release naming them from anyone else, or
-        // later, changes nothing.
+        // A READ of lent slots whose requester goes once the owner lent them: our disconnect
+        // does not mean it stopped reading, so the slots stay lent until released or until
+        // their lease runs out; a release naming them from anyone else frees nothing.
         p.init.fakes.iter().for_each(|f| f.disorder(false, 0));
-        p.peer = p.init.peer_lending(2, Locality::Remote);
+        p.peer = p.init.peer_lending(2, Locality::Remote, p.owner.core.engine_id);
         let lremote = remote_desc(&p, om.base, om.len, true);
         let req = planned(&p, Op::Read, &bl, &im, &lremote);
         let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
@@ -1232,12 +1246,21 @@ mod tests {
         assert!(p.to.on_control(&mut p.owner.cx(), &wire::decode_ctrl(&msg).unwrap()));
         assert_eq!(owner_pool(&p), held, "a release from another engine frees nothing");
         p.to.drop_peer(&mut p.owner.cx(), 99, p.init.core.engine_id);
-        assert!(p.to.idle(), "the gone requester's lent slots end");
-        assert_eq!(owner_pool(&p), 16, "every slot of the owner is back");
+        assert!(!p.to.idle() && owner_pool(&p) == held, "lent slots stay lent at our disconnect");
         let late = encode_ctrl(CtrlType::StageRelease, p.init.core.engine_id, "init", &stranger);
         assert!(p.to.on_control(&mut p.owner.cx(), &wire::decode_ctrl(&late).unwrap()));
-        assert_eq!(owner_pool(&p), 16);
-        p.ti.drop_peer(&mut p.init.cx(), 2, 1002);
+        assert_eq!(owner_pool(&p), held + 1, "its release gives one back");
+        // A forged lent slot (wrong sender) is not read, and the real ones are not either once
+        // their chunks ended.
+        let forged = StageLent { token: lent[1].token, lease: 1, addr: 0, key: 0 }.encode();
+        let f = encode_ctrl(CtrlType::StageLent, 4242, "stranger", &forged);
+        assert!(p.ti.on_control(&mut p.init.cx(), &wire::decode_ctrl(&f).unwrap()));
+        assert!(p.init.fakes.iter().all(|f| f.accepted().iter().all(|a| a.write)), "nothing read for a forged slot");
+        std::thread::sleep(p.owner.core.cfg.timeout() * 4 + std::time::Duration::from_millis(50));
+        p.to.advance(&mut p.owner.cx());
+        assert!(p.to.idle(), "the leases ran out");
+        assert_eq!(owner_pool(&p), 16, "every slot of the owner is back");
+        p.ti.drop_peer(&mut p.init.cx(), 2, p.owner.core.engine_id);
         assert!(p.ti.idle());
     }
 

@@ -27,6 +27,11 @@ use std::time::Instant;
 
 /// TOp::tag of a serve's RMA.
 pub const SERVE_RMA: u8 = 2;
+/// A lent slot that its requester has not released after this many request timeouts is
+/// taken back. Its release can be lost for good: a requester that disconnects from us drops
+/// its route to us first, and across hosts we may never learn that it went. Far past any
+/// request's timeout, so that no read of it can still be running.
+const LEASE_TIMEOUTS: u32 = 4;
 
 enum Phase {
     /// The RMA operations are being posted (`next_op`; FI_EAGAIN leaves it there) or are
@@ -264,7 +269,14 @@ impl Serves {
                     }
                     continue;
                 }
-                Phase::Lent => continue,
+                Phase::Lent => {
+                    let limit = cx.core.cfg.timeout() * LEASE_TIMEOUTS;
+                    if s.stamp.elapsed() > limit {
+                        log::warn!("{}: a slot lent to engine {:016x} was not released in {limit:?}: taken back", cx.core.name, s.sender);
+                        self.end(cx, pool, id, Ok(()));
+                    }
+                    continue;
+                }
             };
             let ready = match cx.core.apply_ctx(&s.ctx).and_then(|_| ev.query().map_err(Error::from)) {
                 Ok(r) => r,
@@ -302,6 +314,7 @@ impl Serves {
             (Ok((addr, key)), Some(dest)) => {
                 s.phase = Phase::Lent;
                 s.answered = true;
+                s.stamp = Instant::now();
                 let lent = StageLent { token: s.stage.token, lease: id, addr, key };
                 cx.ctrl(0, dest, CtrlType::StageLent, &lent.encode());
             }
@@ -323,7 +336,8 @@ impl Serves {
     /// The requester `engine_id` was disconnected: its requests still waiting for a slot are
     /// dropped, and its serves post nothing more. Each ends (its slot back, no answer) at
     /// once where the provider holds none of its operations, else when the last completes
-    /// or its running device copy finishes.
+    /// or its running device copy finishes. A slot lent to it stays lent until it is released
+    /// or its lease runs out: our disconnect does not mean the requester stopped reading it.
     pub fn drop_sender(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, engine_id: u64) {
         self.waiting.retain(|(sender, _, _)| *sender != engine_id);
         for id in self.items.tokens() {
@@ -334,7 +348,7 @@ impl Serves {
             s.gone = true;
             s.next_op = s.rma.len();
             s.failed.get_or_insert_with(|| Error::Disconnected("the requesting peer was disconnected".into()));
-            if (matches!(s.phase, Phase::Rma) && s.left == 0) || matches!(s.phase, Phase::Lent) {
+            if matches!(s.phase, Phase::Rma) && s.left == 0 {
                 let e = s.failed.take().unwrap_or(Error::Canceled);
                 self.end(cx, pool, id, Err(e));
             }
