@@ -104,6 +104,10 @@ pub struct Driver {
     active: Vec<Arc<Request>>,
     slots: RailSlots,
     out: Vec<Outcome>,
+    /// Operations of ended requests taken back from rail outboxes whose transport keeps
+    /// state per operation (`Transport::hears_taken_back`): told at the next pass, once no
+    /// request's state is held.
+    taken_back: Vec<super::ops::TOp>,
     /// Control receive buffers the provider refused for now: posted again next pass.
     recv_retry: Vec<u32>,
     /// An error completion without a context on a sync_rma rail: shm's fast RMA reports a
@@ -166,6 +170,7 @@ impl Driver {
             active: Vec::new(),
             slots: RailSlots { inflight: vec![0; n], cap },
             out: Vec::new(),
+            taken_back: Vec::new(),
             recv_retry: (0..nrecv as u32).collect(),
             probe_now: false,
             last_sweep: Instant::now(),
@@ -350,6 +355,11 @@ impl Driver {
     /// Lets every transport move its work on, then applies what ended and sends the control
     /// messages that queued. Returns whether a transport has work in flight.
     fn advance_transports(&mut self) -> bool {
+        for op in std::mem::take(&mut self.taken_back) {
+            if let Some(t) = self.transports.get_mut(op.owner as usize) {
+                t.on_completion(&mut cx!(self), op, 0, Some(Error::Canceled));
+            }
+        }
         let mut busy = false;
         for t in self.transports.iter_mut() {
             busy |= t.advance(&mut cx!(self));
@@ -736,6 +746,12 @@ impl Driver {
         for t in self.ops.take_queued_of(&self.rails, req) {
             if t.slot {
                 self.slots.give(t.rail as usize);
+            }
+            if self.transports.get(t.owner as usize).is_some_and(|x| x.hears_taken_back()) {
+                // (Its transport ends the piece the operation belonged to, as for a failed
+                // completion: a staged chunk's slot would stay held otherwise.)
+                self.taken_back.push(t);
+                continue;
             }
             st.inflight_total = st.inflight_total.saturating_sub(1);
             st.outstanding = st.outstanding.saturating_sub(1);

@@ -302,3 +302,57 @@ fn a_pushed_back_control_send_is_tried_again_by_full_passes_only_and_then_goes()
     d.pass_local();
     assert_eq!(notifs_sent(&b.fakes[0]), vec![b"held".to_vec(), b"next".to_vec()]);
 }
+
+#[test]
+fn a_staged_chunk_taken_back_from_a_rail_outbox_ends_with_its_slot() {
+    crate::engine::transport::fake::in_mock_cuda("outbox", "engine::driver_tests::outbox_child");
+}
+
+/// A staged chunk's RMA waits in a rail thread's outbox that never posts it; the request
+/// times out and the driver takes the operation back unposted. The staging transport must
+/// hear of it, or the chunk (and its bounce slot) would stay in flight for good.
+#[test]
+#[ignore = "run by a_staged_chunk_taken_back_from_a_rail_outbox_ends_with_its_slot"]
+fn outbox_child() {
+    use crate::cuda;
+    use crate::engine::gpu::DeviceMem;
+    use crate::engine::registry::{LocalMem, MemKind, SharedCloseQueue};
+    if !crate::engine::transport::fake::mock_child() {
+        return;
+    }
+    const LEN: usize = 64 << 10;
+    let mut cfg = crate::config::Config::defaults();
+    cfg.timeout_ms = 200;
+    cfg.staging_chunk_size = LEN as u64;
+    cfg.staging_buffer_size = 4 * LEN as u64;
+    let mut b = Bench::with_config(1, false, cfg);
+    let peer = b.peer(1, Locality::Remote);
+    b.conns.peers.clear();
+    let (mut d, inbox) = driver(&b);
+    let p = cuda::Context::primary(0).expect("stand-in device");
+    let ctx = p.context();
+    let buf = cuda::DeviceBuffer::new(&ctx, LEN).expect("device memory");
+    let dev = DeviceMem { ctx, ordinal: 0, staged: true, managed: false };
+    let m = Arc::new(LocalMem::new(b.core.engine_id, buf.addr(), LEN as u64, MemKind::Vram, 0, 1, Vec::new(), SharedCloseQueue::default(), Some(dev), Some(b.core.gpu.clone())));
+    b.core.gpu.add(&m, ctx);
+    let mut dst = vec![0u8; LEN];
+    let seg = Seg { local: buf.addr(), len: LEN as u64, raddr: dst.as_mut_ptr() as u64, rkey: 1, desc: 0, rail: 0, rrail: 0, kind: SegKind::DevToHost { ctx } };
+    let req = Arc::new(Request::new(Op::Write, Target::Peer(peer), vec![seg], Vec::new(), Vec::new(), Vec::new()));
+    b.fakes[0].hold_outbox();
+    post(&inbox, &req, None);
+    let t0 = Instant::now();
+    while req.status() == Status::NF_IN_PROG && t0.elapsed().as_secs() < 10 {
+        d.pass();
+    }
+    assert_ne!(req.status(), Status::NF_SUCCESS, "the chunk's RMA never went out");
+    assert_eq!(b.fakes[0].outbox_len(), 0, "the driver took the queued RMA back");
+    let mut pending = true;
+    for _ in 0..100 {
+        pending = d.pass().pending;
+        if !pending {
+            break;
+        }
+    }
+    assert!(!pending, "the staged chunk ended once its RMA was taken back (nothing left in flight)");
+    drop(m);
+}

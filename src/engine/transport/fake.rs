@@ -64,6 +64,9 @@ struct State {
     next_addr: FiAddr,
     /// Device registrations refused, by kind ("dmabuf", "hmem"), as a provider would.
     refuse_reg: Vec<&'static str>,
+    /// The rail has a thread that posts its RMA (`posts_on_thread`), and that thread never
+    /// gets to them: queued RMA waits in `outbox` until the driver takes it back.
+    outbox: Option<Vec<*mut c_void>>,
     /// Device registrations made: kind, range, and the CUDA context that owns the memory
     /// (None where no driver says), which a post touching the range needs current.
     regions: Vec<(&'static str, u64, u64, Option<usize>)>,
@@ -177,6 +180,16 @@ impl FakePort {
     /// Every post is refused from now on (`true`), or answered by the script again.
     pub fn refuse_all(&self, on: bool) {
         self.st().refuse_all = on;
+    }
+
+    /// Queued RMA (a rail thread's outbox) stays queued from now on, unposted.
+    pub fn hold_outbox(&self) {
+        self.st().outbox = Some(Vec::new());
+    }
+
+    /// RMA waiting in the outbox.
+    pub fn outbox_len(&self) -> usize {
+        self.st().outbox.as_ref().map_or(0, |o| o.len())
     }
 
     /// Every scripted Again is followed by `n` more.
@@ -301,11 +314,15 @@ impl Port for FakePort {
         Ok(Posted::Ok)
     }
     unsafe fn queue_rma(&self, write: bool, segs: &[RmaSeg], dest: FiAddr, ctx: *mut c_void, dc: bool) -> Result<Posted> {
+        if let Some(o) = self.st().outbox.as_mut() {
+            o.push(ctx);
+            return Ok(Posted::Ok);
+        }
         // SAFETY: forwarded.
         unsafe { self.rma(write, segs, dest, ctx, false, dc) }
     }
     fn posts_on_thread(&self) -> bool {
-        false
+        self.st().outbox.is_some()
     }
     unsafe fn send(&self, buf: *const u8, len: usize, _desc: *mut c_void, _dest: FiAddr, ctx: *mut c_void) -> Result<Posted> {
         let mut s = self.st();
@@ -356,13 +373,17 @@ impl Port for FakePort {
         Ok(n)
     }
     fn has_queued(&self) -> bool {
-        false
+        self.st().outbox.as_ref().is_some_and(|o| !o.is_empty())
     }
     fn take_queued_for(&self, _dest: FiAddr) -> Vec<*mut c_void> {
-        Vec::new()
+        self.st().outbox.as_mut().map(std::mem::take).unwrap_or_default()
     }
-    fn take_queued_with(&self, _pick: &dyn Fn(*mut c_void) -> bool) -> Vec<*mut c_void> {
-        Vec::new()
+    fn take_queued_with(&self, pick: &dyn Fn(*mut c_void) -> bool) -> Vec<*mut c_void> {
+        let mut s = self.st();
+        let Some(o) = s.outbox.as_mut() else { return Vec::new() };
+        let (taken, kept): (Vec<_>, Vec<_>) = o.drain(..).partition(|&c| pick(c));
+        *o = kept;
+        taken
     }
     fn wait_fd_if_idle(&self) -> Option<i32> {
         None

@@ -210,6 +210,14 @@ pub trait Transport: Send {
         0
     }
 
+    /// Whether an operation of an ended request that the driver takes back unposted from a
+    /// rail's outbox must still reach `on_completion` (as a failure): a transport that keeps
+    /// state per operation (a staged chunk's slot). Else the driver settles the request's
+    /// counts itself.
+    fn hears_taken_back(&self) -> bool {
+        false
+    }
+
     /// Peer `peer_id` (engine `engine_id`) is gone: end what waits on it.
     fn drop_peer(&mut self, _cx: &mut Cx, _peer_id: u64, _engine_id: u64) {}
 

@@ -603,6 +603,11 @@ impl Transport for Staging {
         self.jobs.is_empty() && self.serves.idle()
     }
 
+    /// A chunk counts its operations: one taken back unposted must end it, slot and all.
+    fn hears_taken_back(&self) -> bool {
+        true
+    }
+
     /// Chunks waiting for the owner's RMA longer than the rail threads' traffic window
     /// (one that is slow, or queued behind others) keep them driving the rails (see `ask`).
     fn sweep(&mut self, cx: &mut Cx) {
