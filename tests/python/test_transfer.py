@@ -571,21 +571,28 @@ def test_small_transfer_latency(ctx, notif):
     U.connect(ini, tgt)
     h = ini.initialize_xfer("WRITE", L.xfer_descs(ini, [0]), R.xfer_descs(ini, [0]), tgt.name,
                             notif)
-    times = []
-    for _ in range(200):
-        t0 = U.time.perf_counter()
-        state = ini.transfer(h)
-        while state == "PROC":  # tight loop: wait_xfer's naps would dominate the time
-            state = ini.check_xfer_state(h)
-            assert U.time.perf_counter() - t0 < U.WAIT_S, "transfer stuck"
-        assert state == "DONE", state
-        times.append(U.time.perf_counter() - t0)
+    # Up to three runs of 200: a wake-up delay of ours shows in every run, while a host busy
+    # with other work (a build beside `make test` on two cores) can take one run's median
+    # to its scheduler tick (4 ms, seen once).
+    runs = []
+    for _ in range(3):
+        times = []
+        for _ in range(200):
+            t0 = U.time.perf_counter()
+            state = ini.transfer(h)
+            while state == "PROC":  # tight loop: wait_xfer's naps would dominate the time
+                state = ini.check_xfer_state(h)
+                assert U.time.perf_counter() - t0 < U.WAIT_S, "transfer stuck"
+            assert state == "DONE", state
+            times.append(U.time.perf_counter() - t0)
+        times.sort()
+        med, p90 = times[len(times) // 2], times[len(times) * 9 // 10]
+        runs.append(f"median {med * 1e6:.0f} us, p90 {p90 * 1e6:.0f} us")
+        U.eprint(f"64 B WRITE{' + notification' if notif else ''}: {runs[-1]}")
+        if med < 1e-3:
+            break
     ini.release_xfer_handle(h)
-    times.sort()
-    med, p90 = times[len(times) // 2], times[len(times) * 9 // 10]
-    U.eprint(f"64 B WRITE{' + notification' if notif else ''}: median {med * 1e6:.0f} us, "
-             f"p90 {p90 * 1e6:.0f} us")
-    assert med < 1e-3, f"median post-to-DONE {med * 1e6:.0f} us (p90 {p90 * 1e6:.0f} us)"
+    assert med < 1e-3, f"median post-to-DONE over 1 ms in every run: {runs}"
 
 
 def test_query_backend_and_estimate(ctx):
