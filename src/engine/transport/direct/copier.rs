@@ -164,19 +164,7 @@ impl Copier {
             self.kernels.insert(ctx.id(), None);
             return Ok((Vec::new(), spill));
         }
-        let mut events = Vec::with_capacity(used);
-        for s in &streams[..used] {
-            match s.record() {
-                Ok(ev) => events.push(ev),
-                Err(e) => {
-                    // Without its events the job cannot wait for what was launched: the
-                    // request fails only after it ended (the memory is the caller's again).
-                    let _ = settle(&streams[..used]);
-                    return Err(e.into());
-                }
-            }
-        }
-        Ok((events, spill))
+        Ok((record_all(&streams[..used])?, spill))
     }
 
     /// Queues copies on `ctx`'s streams (the context is current): in one batch call where
@@ -204,7 +192,7 @@ impl Copier {
             // SAFETY: forwarded from the caller.
             match unsafe { streams[0].copy_batch(&mut dsts, &mut srcs, &mut sizes) } {
                 Ok(()) => {
-                    copy_events.push(streams[0].record()?);
+                    copy_events.extend(record_all(&streams[..1])?);
                     add(&core.counters.gpu_batch_calls, 1);
                 }
                 Err(e) if cuda::batch_unsupported(&e) => {
@@ -228,21 +216,15 @@ impl Copier {
                 });
             }
             let used = copies.len().min(streams.len());
-            let queued = (|| {
-                for (i, (d, s, n)) in copies.iter().enumerate() {
-                    // SAFETY: forwarded from the caller.
-                    unsafe { streams[i % used].copy_async(*d, *s, *n)? };
-                }
-                streams[..used].iter().map(|s| s.record()).collect::<std::result::Result<Vec<_>, _>>()
-            })();
-            match queued {
-                Ok(evs) => copy_events.extend(evs),
-                Err(e) => {
+            for (i, (d, s, n)) in copies.iter().enumerate() {
+                // SAFETY: forwarded from the caller.
+                if let Err(e) = unsafe { streams[i % used].copy_async(*d, *s, *n) } {
                     // Copies queued before the failure end before the request does.
                     let _ = settle(&streams[..used]);
                     return Err(e.into());
                 }
             }
+            copy_events.extend(record_all(&streams[..used])?);
             add(&core.counters.gpu_copy_calls, copies.len() as u64);
         }
         events.extend(copy_events);
@@ -254,6 +236,15 @@ impl Copier {
 /// memory back, and before a kernel's module is unloaded.
 pub fn settle(streams: &[cuda::Stream]) -> std::result::Result<(), cuda::CudaError> {
     streams.iter().try_for_each(|s| s.synchronize())
+}
+
+/// An event on each of `streams` that completes after what is queued there. Where one
+/// cannot be recorded the caller cannot wait for that work, so it is waited for here before
+/// the error returns (a request fails only once its memory is the caller's again).
+fn record_all(streams: &[cuda::Stream]) -> std::result::Result<Vec<cuda::Event>, cuda::CudaError> {
+    streams.iter().map(|s| s.record()).collect::<std::result::Result<Vec<_>, _>>().inspect_err(|_| {
+        let _ = settle(streams);
+    })
 }
 
 /// Whether every event has completed (under its context, which the caller made current).
