@@ -326,8 +326,13 @@ impl Staging {
     fn release(cx: &mut Cx, job: Option<&mut Job>) {
         let Some(j) = job else { return };
         let Some((lease, _, _)) = j.lease.take() else { return };
-        if let Ok(dest) = cx.conns.ctrl_addr(j.peer_id) {
-            cx.ctrl(j.peer_id, dest, CtrlType::StageRelease, &StageLent::encode_release(lease));
+        Self::send_release(cx, j.peer_id, lease);
+    }
+
+    /// Tells peer `peer_id` that its slot `lease` is free again, where we still reach it.
+    fn send_release(cx: &mut Cx, peer_id: u64, lease: u64) {
+        if let Ok(dest) = cx.conns.ctrl_addr(peer_id) {
+            cx.ctrl(peer_id, dest, CtrlType::StageRelease, &StageLent::encode_release(lease));
         }
     }
 
@@ -342,9 +347,8 @@ impl Staging {
             // No chunk of ours waits for it (it ended, or the message is not genuine): the
             // slot goes back to its sender where we still reach it; else its lease runs out.
             log::warn!("{}: a lent slot from '{sender}' for no chunk waiting for one ({:#x})", cx.core.name, lent.token);
-            let to = cx.conns.peers.iter().find(|(_, c)| c.peer.info.engine_id == sender_id).map(|(&id, _)| id);
-            if let Some((pid, dest)) = to.and_then(|pid| cx.conns.ctrl_addr(pid).ok().map(|d| (pid, d))) {
-                cx.ctrl(pid, dest, CtrlType::StageRelease, &StageLent::encode_release(lent.lease));
+            if let Some(pid) = cx.conns.peers.iter().find(|(_, c)| c.peer.info.engine_id == sender_id).map(|(&id, _)| id) {
+                Self::send_release(cx, pid, lent.lease);
             }
             return;
         };
@@ -966,17 +970,22 @@ mod tests {
         Arc::new(LocalMem::new(b.core.engine_id, bytes.as_mut_ptr() as u64, bytes.len() as u64, MemKind::Dram, 0, RAILS, Vec::new(), closeq, None, None))
     }
 
-    /// Chunks of a planned request: runs of segments a start takes as one.
-    fn chunk_count(p: &Pair, req: &Request) -> usize {
+    /// The chunks of a planned request (runs of segments a start takes as one): their
+    /// segment counts.
+    fn chunk_lens(p: &Pair, req: &Request) -> Vec<usize> {
         let mut cx_bench = Bench::with_config(RAILS, false, p.init.core.cfg.clone());
         let t = Staging::new(1, "test");
         let mut at = 0;
-        let mut n = 0;
+        let mut lens = Vec::new();
         while at < req.segs.len() {
-            at += t.chunk_len(&cx_bench.cx(), req, at);
-            n += 1;
+            lens.push(t.chunk_len(&cx_bench.cx(), req, at));
+            at += lens[lens.len() - 1];
         }
-        n
+        lens
+    }
+
+    fn chunk_count(p: &Pair, req: &Request) -> usize {
+        chunk_lens(p, req).len()
     }
 
     #[test]
@@ -1087,17 +1096,7 @@ mod tests {
         assert_eq!(i1.stage_requests - i0.stage_requests, chunks as u64, "one stage request per chunk");
         // Chunks of several blocks were lent and read by us; those of one range the owner
         // wrote into our slot.
-        let several = {
-            let t = Staging::new(1, "test");
-            let mut cxb = Bench::with_config(RAILS, false, p.init.core.cfg.clone());
-            let (mut at, mut n) = (0, 0);
-            while at < req.segs.len() {
-                let k = t.chunk_len(&cxb.cx(), &req, at);
-                n += (k > 1) as usize;
-                at += k;
-            }
-            n
-        };
+        let several = chunk_lens(&p, &req).iter().filter(|&&k| k > 1).count();
         assert!(several > 0, "chunks of several blocks ({several} of {chunks})");
         let owner_writes: usize = p.owner.fakes.iter().zip(&before).map(|(f, &n)| f.accepted()[n..].iter().filter(|a| a.write).count()).sum();
         let reads: usize = p.init.fakes.iter().map(|f| f.accepted().iter().filter(|a| !a.write).count()).sum();

@@ -59,8 +59,6 @@ struct Serve {
     failed: Option<Error>,
     /// The requester was disconnected: nothing more is posted for it and nobody is answered.
     gone: bool,
-    /// It was answered already (a lent slot): its end answers nothing.
-    answered: bool,
     _mems: Vec<Arc<LocalMem>>,
     /// When the slot was taken, and when the current step began (timing.rs).
     born: Instant,
@@ -165,9 +163,10 @@ impl Serves {
             };
             add(&cx.core.counters.stage_served, 1);
             let batch = cx.rails[rail].caps().rma_batch.min(cx.core.cfg.rma_batch.max(1) as usize);
-            let rma = rma_ops(st.ranges.iter().map(|r| (r.1, r.2 as usize)), batch);
+            // (A LEND makes no RMA of ours: the requester reads the slot.)
+            let rma = if st.dir == StageDir::Lend { Vec::new() } else { rma_ops(st.ranges.iter().map(|r| (r.1, r.2 as usize)), batch) };
             let now = Instant::now();
-            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, answered: false, _mems: mems, born: now, stamp: now };
+            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: now, stamp: now };
             let phase = match s.stage.dir {
                 StageDir::Pull => Ok(Phase::Rma),
                 StageDir::Push | StageDir::Lend => p.copy(cx.core, ctx, slot, &s.dev_ranges(), true).map(Phase::CopyOut),
@@ -313,7 +312,6 @@ impl Serves {
         match (target, cx.initiator_addr(s.sender)) {
             (Ok((addr, key)), Some(dest)) => {
                 s.phase = Phase::Lent;
-                s.answered = true;
                 s.stamp = Instant::now();
                 let lent = StageLent { token: s.stage.token, lease: id, addr, key };
                 cx.ctrl(0, dest, CtrlType::StageLent, &lent.encode());
@@ -361,7 +359,8 @@ impl Serves {
             p.give(s.slot, false);
         }
         self.times.add(Step::ServeTotal, s.born);
-        if s.answered && !s.gone {
+        // (A lent slot was answered when it was lent.)
+        if matches!(s.phase, Phase::Lent) && !s.gone {
             return;
         }
         if s.gone {
