@@ -1103,6 +1103,17 @@ mod tests {
         assert!(reads >= several, "we read every lent chunk ({reads} reads, {several} chunks of several blocks)");
         assert!(owner_writes >= chunks - several && owner_writes <= 4 * (chunks - several), "the owner wrote only the chunks of one range ({owner_writes} writes)");
         assert!(p.to.idle(), "every lent slot came back");
+        // The same with an error completion for one read on every rail: those chunks fail,
+        // the others land, and every slot comes back on both sides (the failed reads'
+        // leases are released too).
+        ibuf.write(0, &vec![0u8; span as usize]).unwrap();
+        p.init.fakes.iter().for_each(|f| f.fail_completions(1));
+        let pieces = p.run(&req);
+        let failed = pieces.iter().filter(|x| x.res.is_err()).count();
+        assert!(failed > 0 && failed < pieces.len(), "{failed} of {} chunks failed", pieces.len());
+        assert!(p.to.idle(), "the owner got every lent slot back, the failed reads' too");
+        assert_eq!(p.to.pool.as_ref().expect("the owner's pool").free_slots(), 16);
+        assert!(p.ti.idle());
         p.peer = push_peer;
 
         // DRAM -> VRAM WRITE and READ: only the owner stages; our host memory is RMA'd
