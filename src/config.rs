@@ -107,6 +107,8 @@ tunables! {
         "false keeps staged chunks off rail 0 (and the peer's rail 0) wherever the route has at least two other pairs, so the stage requests and answers that rail 0 carries never queue behind a chunk's bytes on its connection (and the progress thread, which drives rail 0, never moves a chunk's bytes); true lets them take rail 0 in their turn like every other rail";
     staging_lend_reads: bool = Bool, "true", "NIXL_FABRIC_STAGING_LEND_READS",
         "a staged READ of a peer's GPU memory into ours: where the peer lends slots, the owner packs each chunk of several blocks into a slot of its own and we RMA-read it (H100, tcp: 4-16 KiB blocks 12-17 % faster than PUSH); chunks of one range, and every chunk with false, the owner RMA-writes into our slot (PUSH)";
+    staging_lend_min_blocks: u64 = U64, "2", "NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS",
+        "with staging_lend_reads, the fewest blocks a chunk must pack to be lent (1 = every chunk, also one range of a large block; such chunks otherwise go PUSH); READs into our host memory read the lent slot straight into it";
     staging_ranges: u64 = U64, "1024", "NIXL_FABRIC_STAGING_RANGES",
         "most GPU blocks packed into one staging chunk (its stage request carries 24 bytes per block and must fit a control message; also capped by the gather kernel's ranges per launch)";
     fault_inject: String = Str, "", "NIXL_FABRIC_FAULT_INJECT",
@@ -243,6 +245,7 @@ impl Config {
             staging_ranges: 0,
             staging_rail0: true,
             staging_lend_reads: true,
+            staging_lend_min_blocks: 2,
             fault_inject: String::new(),
         }
     }

@@ -27,9 +27,9 @@ use crate::engine::ops::{OpKind, TOp};
 use crate::engine::request::{Op, Request, Route, Seg, SegKind};
 use crate::engine::wire::{Ctrl, CtrlType, Stage, StageAck, StageDir, StageLent};
 use crate::error::{Error, Result, Status};
-use crate::fabric::Posted;
+use crate::fabric::{Posted, RmaSeg};
 use super::slab::Slab;
-use pool::{ensure, rma_ops, Piece, Stager};
+use pool::{ensure, lent_to_host_ops, rma_ops, Piece, Stager};
 use serve::{Serves, SERVE_RMA};
 use std::sync::Arc;
 use std::time::Instant;
@@ -182,28 +182,35 @@ impl Staging {
                 self.set_phase(token, Phase::CopyOut(ev));
             }
             (SegKind::DevToHost { .. }, Op::Read, Some(_)) => self.post_rma(cx, token),
-            (SegKind::DevToDev { .. }, Op::Read, Some(_)) => {
-                // A chunk of several blocks crosses the rails by our RMA read of the owner's
-                // slot where the owner lends slots, else by its RMA write into ours. (H100,
-                // tcp, five rails, 2026-12-07, four A/B pairs: lent slots moved 1024 x 16 KiB
-                // and 4096 x 4 KiB READs 12-17 % faster and 256 x 256 KiB as fast, but 64 MiB,
-                // one range a chunk, 10 % slower: the owner holds its slot one message longer.)
-                let lends = j.req.peer().is_some_and(|p| p.info.lends);
-                let way = cx.core.cfg.staging_lend_reads && lends;
-                let lend = way && j.n > 1;
-                if !std::mem::replace(&mut self.told_read_way, true) {
-                    log::info!("{}: staged READs of a peer's GPU memory: {}", cx.core.name, match (way, lends) {
-                        (true, _) => "the owner lends the slot of each chunk of several blocks and we RMA-read it (chunks of one range: it RMA-writes them into our slot)",
-                        (false, true) => "the owner RMA-writes each packed chunk into our slot (staging_lend_reads=false)",
-                        (false, false) => "the owner RMA-writes each packed chunk into our slot (the peer lends no slots: an older build)",
-                    });
-                }
-                self.ask(cx, token, if lend { StageDir::Lend } else { StageDir::Push })?
+            (SegKind::DevToDev { .. }, Op::Read, Some(_)) | (SegKind::HostToDev { .. }, Op::Read, None) => {
+                let dir = self.read_way(cx, token);
+                self.ask(cx, token, dir)?
             }
-            (SegKind::HostToDev { .. }, op, None) => self.ask(cx, token, if op == Op::Write { StageDir::Pull } else { StageDir::Push })?,
+            (SegKind::HostToDev { .. }, Op::Write, None) => self.ask(cx, token, StageDir::Pull)?,
             _ => return Err(Error::Backend(format!("segment {} cannot be staged as {kind:?}", j.first))),
         }
         Ok(())
+    }
+
+    /// How a staged READ of a peer's GPU memory crosses the rails: by our RMA read of a
+    /// slot the owner lends (LEND), or by its RMA write into our slot or host memory (PUSH).
+    /// Chunks of at least `staging_lend_min_blocks` blocks are lent where the owner lends.
+    /// (H100, tcp, five rails, 2026-12-07, four A/B pairs, into GPU memory: lent slots moved
+    /// 1024 x 16 KiB and 4096 x 4 KiB READs 12-17 % faster and 256 x 256 KiB as fast, but
+    /// 64 MiB, one range a chunk, 10 % slower: the owner holds its slot one message longer.)
+    fn read_way(&mut self, cx: &Cx, token: u64) -> StageDir {
+        let Some(j) = self.jobs.get_mut(token) else { return StageDir::Push };
+        let (lends, n) = (j.req.peer().is_some_and(|p| p.info.lends), j.n as u64);
+        let way = cx.core.cfg.staging_lend_reads && lends;
+        let min = cx.core.cfg.staging_lend_min_blocks.max(1);
+        if !std::mem::replace(&mut self.told_read_way, true) {
+            log::info!("{}: staged READs of a peer's GPU memory: {}", cx.core.name, match (way, lends) {
+                (true, _) => format!("the owner lends the slot of each chunk of at least {min} blocks and we RMA-read it (into our slot, or straight into our host memory); smaller chunks it RMA-writes to us"),
+                (false, true) => "the owner RMA-writes each packed chunk to us (staging_lend_reads=false)".into(),
+                (false, false) => "the owner RMA-writes each packed chunk to us (the peer lends no slots: an older build)".into(),
+            });
+        }
+        if way && n >= min { StageDir::Lend } else { StageDir::Push }
     }
 
     fn set_phase(&mut self, token: u64, phase: Phase) {
@@ -265,10 +272,11 @@ impl Staging {
         if j.rma.is_empty() && j.next_op == 0 {
             j.stamp = Instant::now();
             let batch = cx.rails.get(rail).map_or(1, |r| r.caps().rma_batch).min(cx.core.cfg.rma_batch.max(1) as usize);
-            j.rma = match j.lease {
-                // (The owner's slot holds the chunk back to back: one read.)
-                Some((_, addr, _)) => rma_ops(std::iter::once((addr, j.bytes() as usize)), batch),
-                None => rma_ops(j.segs().iter().map(|s| (s.raddr, s.len as usize)), batch),
+            j.rma = match (j.lease, j.slot) {
+                // (The owner's slot holds the chunk back to back: one read into our slot.)
+                (Some((_, addr, _)), Some(_)) => rma_ops(std::iter::once((addr, j.bytes() as usize)), batch),
+                (Some((_, addr, _)), None) => lent_to_host_ops(j.segs().iter().map(|s| (s.local, s.len as usize)), addr, batch),
+                (None, _) => rma_ops(j.segs().iter().map(|s| (s.raddr, s.len as usize)), batch),
             };
         }
         let rkey = j.lease.map_or(s.rkey, |l| l.2);
@@ -276,14 +284,34 @@ impl Staging {
         let res = (|| -> Result<()> {
             let dest = cx.conns.addr(j.peer_id, rail, s.rrail as usize)?;
             let port = cx.rails.get(rail).ok_or_else(|| Error::Backend(format!("no rail {rail}")))?;
-            let p = self.pool.as_ref().ok_or_else(|| Error::Backend("no staging pool".into()))?;
-            let slot = j.slot.ok_or_else(|| Error::Backend("staged RMA without a slot".into()))?;
             let write = j.req.op == Op::Write;
             while j.next_op < j.rma.len() {
                 let pieces = &j.rma[j.next_op];
                 let len: usize = pieces.iter().map(|p| p.2).sum();
                 let op = OpKind::Transport(TOp { owner: self.owner, tag: JOB_RMA, rail: rail as u16, slot: false, inline: false, req: Some(j.req.clone()), epoch: j.epoch, token, len: len as u64 });
-                match p.post(&**port, cx.core, cx.ops, op, slot, write, dest, pieces, rkey)? {
+                let posted = match j.slot {
+                    Some(slot) => {
+                        let p = self.pool.as_ref().ok_or_else(|| Error::Backend("no staging pool".into()))?;
+                        p.post(&**port, cx.core, cx.ops, op, slot, write, dest, pieces, rkey)?
+                    }
+                    None => {
+                        // A lent chunk read into our host memory (HostToDev): the pieces
+                        // name our addresses, all in the one registration of the chunk.
+                        let mut segs = [RmaSeg { local: std::ptr::null_mut(), len: 0, desc: s.desc as *mut _, raddr: 0, rkey }; crate::fabric::MAX_RMA_BATCH];
+                        for (g, &(local, raddr, len)) in segs.iter_mut().zip(pieces) {
+                            g.local = local as *mut u8;
+                            g.len = len;
+                            g.raddr = raddr;
+                        }
+                        // SAFETY: the pieces are the chunk's segments, bounds-checked against
+                        // our host registration (registered on this rail as `desc`) when the
+                        // request was planned; the request keeps that registration alive and
+                        // the caller does not touch its memory until the request completes,
+                        // which waits for this operation (or its taking back unposted).
+                        unsafe { pool::post_segs(&**port, cx.core, cx.ops, op, write, dest, &segs[..pieces.len().min(segs.len())]) }?
+                    }
+                };
+                match posted {
                     Posted::Ok => {
                         j.next_op += 1;
                         j.left += 1;
@@ -471,6 +499,8 @@ impl Staging {
                 Self::release(cx, Some(j));
                 self.copy_in(cx, op.token, ctx)
             }
+            // A lent chunk read straight into our host memory: done once the read is.
+            (Op::Read, SegKind::HostToDev { .. }) if j.lease.is_some() => self.finish(cx, op.token, Ok(())),
             _ => self.finish(cx, op.token, Err(Error::Backend("unexpected staging RMA completion".into()))),
         }
     }
@@ -1140,6 +1170,36 @@ mod tests {
         assert!(pieces.iter().all(|x| x.res.is_ok()));
         obuf.read(0, &mut landed).unwrap();
         expect(&std::hint::black_box(&hback).clone(), &landed, true, "DRAM<-VRAM READ");
+
+        // DRAM <- VRAM READ from an owner that lends slots: each lent chunk is read straight
+        // into our host memory (no slot of ours, no device copy here), its slot given back.
+        let lender = p.init.peer_lending(2, Locality::Remote, p.owner.core.engine_id);
+        let push_peer = std::mem::replace(&mut p.peer, lender);
+        let lremote = remote_desc(&p, om.base, om.len, true);
+        std::hint::black_box(&mut hback).fill(0);
+        let req = planned(&p, Op::Read, &bl, &hbm, &lremote);
+        let several = chunk_lens(&p, &req).iter().filter(|&&k| k > 1).count();
+        let reads = |b: &Bench| b.fakes.iter().map(|f| f.accepted().iter().filter(|a| !a.write).count()).sum::<usize>();
+        let (r0, i0, o0) = (reads(&p.init), counters(&p.init), counters(&p.owner));
+        let pieces = p.run(&req);
+        assert!(pieces.iter().all(|x| x.res.is_ok()), "{:?}", pieces.iter().find_map(|x| x.res.as_ref().err()));
+        assert_eq!(pieces.iter().map(|x| x.bytes).sum::<u64>(), total);
+        expect(&std::hint::black_box(&hback).clone(), &landed, true, "DRAM<-VRAM READ of lent slots");
+        let (i1, o1) = (counters(&p.init), counters(&p.owner));
+        assert_eq!(launches(&i0, &i1), 0, "no device copy on the host side");
+        assert_eq!(launches(&o0, &o1), chunk_count(&p, &req) as u64, "one gather per chunk at the owner");
+        assert!(several > 0 && reads(&p.init) - r0 >= several, "we read every lent chunk ({} reads, {several} chunks of several blocks)", reads(&p.init) - r0);
+        assert!(p.ti.pool.is_none() || p.ti.pool.as_ref().is_some_and(|x| x.free_slots() == 16), "no slot of ours was held");
+        assert!(p.to.idle(), "every lent slot came back");
+        // An error completion for one read on every rail: those chunks fail, the rest land,
+        // and the owner gets every slot back.
+        p.init.fakes.iter().for_each(|f| f.fail_completions(1));
+        let pieces = p.run(&req);
+        let failed = pieces.iter().filter(|x| x.res.is_err()).count();
+        assert!(failed > 0 && failed < pieces.len(), "{failed} of {} chunks failed", pieces.len());
+        assert!(p.to.idle() && p.ti.idle());
+        assert_eq!(p.to.pool.as_ref().expect("the owner's pool").free_slots(), 16);
+        p.peer = push_peer;
 
         // VRAM -> DRAM WRITE and READ: only we stage; the peer's host memory is RMA'd.
         let mut theirs = vec![0u8; span as usize];

@@ -21,7 +21,8 @@ use std::sync::Arc;
 /// one GPU, and there READs of 256 KiB blocks waited 450-700 us for their gathers.
 const COPY_ENGINE_MIN_AVG: usize = 128 << 10;
 
-/// One RMA piece of a chunk: (offset in the slot, peer's address, length).
+/// One RMA piece of a chunk: (offset in the slot, peer's address, length); for a lent
+/// chunk read into our host memory, (our address, the owner's address, length).
 pub type Piece = (usize, u64, usize);
 
 /// Requests we start may hold at most half the slots, so serving peers' stage requests
@@ -180,24 +181,54 @@ impl Stager {
             s.len = len;
             s.raddr = raddr;
         }
-        let segs = &segs[..pieces.len()];
-        let ctx = ops.alloc(op);
         // SAFETY: the slot is registered on this rail (its MR) and held by the chunk until
         // this operation completes or is taken back unposted (the pool outlives the rails'
-        // users); ctx is a live slot.
-        let r = unsafe {
-            if rail.posts_on_thread() {
-                core.note_rail_traffic();
-                rail.queue_rma(write, segs, dest, ctx, write)
-            } else {
-                rail.rma(write, segs, dest, ctx, false, write)
-            }
-        };
-        if !matches!(r, Ok(Posted::Ok)) {
-            ops.release(ctx);
-        }
-        r
+        // users).
+        unsafe { post_segs(rail, core, ops, op, write, dest, &segs[..pieces.len()]) }
     }
+}
+
+/// Posts one RMA operation of `segs` on `rail`, through the rail thread's outbox where it
+/// has one. FI_EAGAIN: the caller posts the same operation again later.
+///
+/// # Safety
+/// Every segment's local memory is registered on this rail as its `desc` says and stays
+/// valid, and untouched by anyone else, until the operation completes or is taken back
+/// unposted.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn post_segs(rail: &dyn Port, core: &Core, ops: &mut OpPool, op: OpKind, write: bool, dest: FiAddr, segs: &[RmaSeg]) -> Result<Posted> {
+    let ctx = ops.alloc(op);
+    // SAFETY: the caller's contract covers the memory; ctx is a live slot of the op pool
+    // until its completion (or the rejection below) releases it.
+    let r = unsafe {
+        if rail.posts_on_thread() {
+            core.note_rail_traffic();
+            rail.queue_rma(write, segs, dest, ctx, write)
+        } else {
+            rail.rma(write, segs, dest, ctx, false, write)
+        }
+    };
+    if !matches!(r, Ok(Posted::Ok)) {
+        ops.release(ctx);
+    }
+    r
+}
+
+/// The RMA operations of a lent chunk read straight into our registered host memory:
+/// (our address, the owner's address in its slot, length) per piece, the chunk's ranges
+/// packed back to back from `slot_addr` in range order, ranges that continue each other on
+/// both sides merged, in operations of at most `batch` pieces.
+pub fn lent_to_host_ops(ranges: impl Iterator<Item = (u64, usize)>, slot_addr: u64, batch: usize) -> Vec<Vec<Piece>> {
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut off = 0u64;
+    for (local, len) in ranges {
+        match pieces.last_mut() {
+            Some(last) if last.0 as u64 + last.2 as u64 == local => last.2 += len,
+            _ => pieces.push((local as usize, slot_addr + off, len)),
+        }
+        off += len as u64;
+    }
+    pieces.chunks(batch.clamp(1, crate::fabric::MAX_RMA_BATCH)).map(|c| c.to_vec()).collect()
 }
 
 /// The RMA operations of a chunk: its ranges (peer address, length) packed back to back in
@@ -242,5 +273,16 @@ mod tests {
         // A contiguous slot window (the peer's bounce slot): one piece.
         let ops = rma_ops((0..64u64).map(|i| (0x10_0000 + i * 4096, 4096)), 4);
         assert_eq!(ops, vec![vec![(0, 0x10_0000, 64 * 4096)]]);
+    }
+
+    #[test]
+    fn a_lent_chunk_into_host_memory_merges_what_continues_here() {
+        // Two blocks back to back in our memory, then one elsewhere: the owner's slot holds
+        // all three back to back.
+        let r = [(0x1000u64, 16usize), (0x1010, 16), (0x8000, 32)];
+        let ops = lent_to_host_ops(r.iter().copied(), 0x70_0000, 8);
+        assert_eq!(ops, vec![vec![(0x1000, 0x70_0000, 32), (0x8000, 0x70_0020, 32)]]);
+        let ops = lent_to_host_ops(r.iter().copied(), 0x70_0000, 1);
+        assert_eq!(ops.len(), 2);
     }
 }

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call (2026-12-07 evening): staged READs four ways, alternating, each run with the
+# DRAM KV patterns over the same rails first: min2 (the default: chunks of several blocks are
+# lent, into our slot or straight into our host memory), min1 (every chunk lent,
+# staging_lend_min_blocks=1), push (staging_lend_reads=false), depth8 (the default with
+# staging_depth=8). Then the GPU harness. From the repository root with .gpu carried:
+#   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_HARNESS=0)
+# Results in $OUT/read-ab.tar.xz, the READ lines on stdout.
+set -u
+B=$(pwd)/.gpu
+OUT0=$OUT
+P="${AB_ONLY:-VRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 256x256KiB,DRAM->DRAM 1x64MiB}"
+for r in $(seq "${AB_ROUNDS:-2}"); do
+  for arm in ${AB_ARMS:-min2 min1 push depth8}; do
+    sweep=0:4
+    case $arm in
+      min2) e=X_AB=1 ;;
+      min1) e=NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1 ;;
+      push) e=NIXL_FABRIC_STAGING_LEND_READS=false ;;
+      depth8) e=X_AB=1; sweep=0:8 ;;
+      *) echo "unknown arm $arm"; continue ;;
+    esac
+    t=-$arm$r
+    echo "=== $t"
+    env "$e" OUT="$OUT0/ab" RUN_GPU_ONLY=staging STAGING_SWEEP=$sweep STAGING_DRAM_KV=1 STAGING_TAG=$t STAGING_ONLY="$P" \
+      timeout 150 bash "$B/run-gpu.sh" > "$OUT0/staging$t.log" 2>&1
+    grep -E "GB/s" "$OUT0/staging$t.log" | grep -E "READ"
+  done
+done
+if [ "${AB_HARNESS:-1}" = 1 ]; then
+  OUT=$OUT0/harness RUN_GPU_ONLY=harness timeout 120 bash "$B/run-gpu.sh" > "$OUT0/harness.log" 2>&1
+  grep -E "passed|^FAIL" "$OUT0/harness.log" | head
+fi
+tar -C "$OUT0" -cJf "$OUT0/read-ab.tar.xz" ab harness staging-*.log harness.log 2>/dev/null && rm -rf "$OUT0/ab" "$OUT0/harness" "$OUT0"/staging-*.log "$OUT0/harness.log"
