@@ -106,7 +106,7 @@ tunables! {
     staging_rail0: bool = Bool, "false", "NIXL_FABRIC_STAGING_RAIL0",
         "false keeps staged chunks off rail 0 (and the peer's rail 0) wherever the route has at least two other pairs, so the stage requests and answers that rail 0 carries never queue behind a chunk's bytes on its connection (and the progress thread, which drives rail 0, never moves a chunk's bytes); true lets them take rail 0 in their turn like every other rail";
     staging_lend_reads: bool = Bool, "true", "NIXL_FABRIC_STAGING_LEND_READS",
-        "a staged READ of a peer's GPU memory into ours: where the peer lends slots, the owner packs each chunk of several blocks into a slot of its own and we RMA-read it (H100, tcp: 4-16 KiB blocks 12-17 % faster than PUSH); chunks of one range, and every chunk with false, the owner RMA-writes into our slot (PUSH)";
+        "a staged READ of a peer's GPU memory: where the peer lends slots, the owner packs each chunk of at least staging_lend_min_blocks blocks into a slot of its own and we RMA-read it, into our slot (then scatter) or straight into our host memory (H100, tcp: 4-16 KiB blocks 12-17 % faster than PUSH); smaller chunks, and every chunk with false, the owner RMA-writes to us (PUSH)";
     staging_lend_min_blocks: u64 = U64, "2", "NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS",
         "with staging_lend_reads, the fewest blocks a chunk must pack to be lent (1 = every chunk, also one range of a large block; such chunks otherwise go PUSH); READs into our host memory read the lent slot straight into it";
     staging_ranges: u64 = U64, "1024", "NIXL_FABRIC_STAGING_RANGES",

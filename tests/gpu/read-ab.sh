@@ -3,7 +3,8 @@
 # DRAM KV patterns over the same rails first: min2 (the default: chunks of several blocks are
 # lent, into our slot or straight into our host memory), min1 (every chunk lent,
 # staging_lend_min_blocks=1), push (staging_lend_reads=false), depth8 (the default with
-# staging_depth=8). Then the GPU harness. From the repository root with .gpu carried:
+# staging_depth=8), rail0 (the default with chunks on rail 0 too, staging_rail0=true). Then the
+# GPU harness. From the repository root with .gpu carried:
 #   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_HARNESS=0)
 # Results in $OUT/read-ab.tar.xz, the READ lines on stdout.
 set -u
@@ -11,13 +12,14 @@ B=$(pwd)/.gpu
 OUT0=$OUT
 P="${AB_ONLY:-VRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 256x256KiB,DRAM->DRAM 1x64MiB}"
 for r in $(seq "${AB_ROUNDS:-2}"); do
-  for arm in ${AB_ARMS:-min2 min1 push depth8}; do
+  for arm in ${AB_ARMS:-min2 min1 push rail0}; do
     sweep=0:4
     case $arm in
       min2) e=X_AB=1 ;;
       min1) e=NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1 ;;
       push) e=NIXL_FABRIC_STAGING_LEND_READS=false ;;
       depth8) e=X_AB=1; sweep=0:8 ;;
+      rail0) e=NIXL_FABRIC_STAGING_RAIL0=true ;;
       *) echo "unknown arm $arm"; continue ;;
     esac
     t=-$arm$r
