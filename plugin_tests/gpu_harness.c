@@ -693,6 +693,34 @@ static void suite_two_processes(bool skip_reapply, bool local_vram) {
         s = post_wait(e, req, NULL, NULL, 0, false, true);
         check(s == NF_SUCCESS && buf_verify(&l, seed) == SIZE_MAX, "READ remote VRAM -> %s: %s", kind(local_vram), st_name(s));
         nf_request_release(e, req);
+        /* Many small blocks of the target's VRAM, READ into another layout here: staged
+         * chunks of several blocks, which the owner packs into a slot it lends us, read into
+         * our slot (VRAM here) or straight into our host memory (DRAM here). */
+        enum { NB = 96 };
+        blocks_t rk = {4096, (16 << 10) + 3, 48 << 10, NB}, lk = {0, (16 << 10) + 3, 20 << 10, NB};
+        uint64_t bseed = next_seed();
+        char fill[160];
+        snprintf(fill, sizeof fill, "fill v %" PRIu64 " %zu %zu %zu %zu", bseed, rk.off, rk.len, rk.stride, rk.count);
+        msg_send(sv[0], fill, strlen(fill) + 1);
+        uint8_t *fok = msg_recv(sv[0], &n, 60);
+        bool filled = fok && fok[0] == 'y';
+        free(fok);
+        buf_zero(&l);
+        nf_xfer_desc lds[NB], rds[NB];
+        for (size_t i = 0; i < NB; i++) {
+            lds[i] = (nf_xfer_desc){buf_addr(&l) + lk.off + i * lk.stride, lk.len, l.mem};
+            rds[i] = (nf_xfer_desc){raddr + rk.off + i * rk.stride, rk.len, rm};
+        }
+        req = NULL;
+        nf_request_create(e, NF_OP_READ, lds, rds, NB, "t", &req);
+        s = post_wait(e, req, NULL, NULL, 0, false, true);
+        nf_request_release(e, req);
+        uint8_t *got = buf_get(&l);
+        size_t blk = 0, at = 0;
+        bool bad = blocks_bad(got, &lk, bseed, false, &blk, &at);
+        buf_put(&l, got, false);
+        check(filled && s == NF_SUCCESS && !bad, "READ %d scattered blocks of remote VRAM -> %s: %s%s (block %zu offset %zu)", NB, kind(local_vram),
+              st_name(s), bad ? ", wrong bytes" : "", blk, at);
     }
     msg_send(sv[0], "quit", 5);
     int ws = wait_child(pid, 30);
