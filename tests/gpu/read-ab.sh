@@ -5,14 +5,17 @@
 # staging_lend_min_blocks=1), push (staging_lend_reads=false), depth8 (the default with
 # staging_depth=8), rail0 (the default with chunks on rail 0 too, staging_rail0=true). Then the
 # GPU harness. From the repository root with .gpu carried:
-#   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_HARNESS=0)
+#   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0)
 # Results in $OUT/read-ab.tar.xz, the READ lines on stdout.
 set -u
 B=$(pwd)/.gpu
 OUT0=$OUT
 P="${AB_ONLY:-VRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 256x256KiB,DRAM->DRAM 1x64MiB}"
+start=$SECONDS
 for r in $(seq "${AB_ROUNDS:-2}"); do
-  for arm in ${AB_ARMS:-min2 min1 push rail0}; do
+  for arm in ${AB_ARMS:-min2 min1 push rail0 depth8}; do
+    # (Runs past AB_BUDGET seconds are skipped, so the results are packed before the call's limit.)
+    [ $((SECONDS - start)) -lt "${AB_BUDGET:-400}" ] || { echo "skip $arm$r: budget"; continue; }
     sweep=0:4
     case $arm in
       min2) e=X_AB=1 ;;
