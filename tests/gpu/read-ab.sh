@@ -4,7 +4,7 @@
 # lent, into our slot or straight into our host memory), min1 (every chunk lent,
 # staging_lend_min_blocks=1), push (staging_lend_reads=false), depth8 (the default with
 # staging_depth=8), rail0 (the default with chunks on rail 0 too, staging_rail0=true). Then the
-# GPU harness. From the repository root with .gpu carried:
+# GPU harness. c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size). From the repository root with .gpu carried:
 #   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0)
 # Results in $OUT/read-ab.tar.xz, the READ lines on stdout.
 set -u
@@ -23,6 +23,8 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
       push) e=NIXL_FABRIC_STAGING_LEND_READS=false ;;
       depth8) e=X_AB=1; sweep=0:8 ;;
       rail0) e=NIXL_FABRIC_STAGING_RAIL0=true ;;
+      c2m) e=X_AB=1; sweep=2M:4 ;;
+      c4m) e=X_AB=1; sweep=4M:4 ;;
       *) echo "unknown arm $arm"; continue ;;
     esac
     t=-$arm$r
