@@ -4,8 +4,10 @@
 # lent, into our slot or straight into our host memory), min1 (every chunk lent,
 # staging_lend_min_blocks=1), push (staging_lend_reads=false), depth8 (the default with
 # staging_depth=8), rail0 (the default with chunks on rail 0 too, staging_rail0=true). Then the
-# GPU harness. c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size). From the repository root with .gpu carried:
-#   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0)
+# GPU harness. c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size).
+# From the repository root with .gpu carried:
+#   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0,
+#                                             AB_GREP: the lines shown, default READ)
 # Results in $OUT/read-ab.tar.xz, the READ lines on stdout.
 set -u
 B=$(pwd)/.gpu
@@ -31,7 +33,7 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
     echo "=== $t"
     env "$e" OUT="$OUT0/ab" RUN_GPU_ONLY=staging STAGING_SWEEP=$sweep STAGING_DRAM_KV=1 STAGING_TAG=$t STAGING_ONLY="$P" \
       timeout 150 bash "$B/run-gpu.sh" > "$OUT0/staging$t.log" 2>&1
-    grep -E "GB/s" "$OUT0/staging$t.log" | grep -E "READ"
+    grep -E "GB/s" "$OUT0/staging$t.log" | grep -E "${AB_GREP:-READ}"
   done
 done
 if [ "${AB_HARNESS:-1}" = 1 ]; then
