@@ -10,4 +10,3 @@ OUT=$OUT0/ab AB_ARMS="${P_ARMS:-min2 c2m c4m}" AB_ROUNDS=2 AB_BUDGET=${P_AB_BUDG
   timeout 200 bash tests/gpu/read-ab.sh
 OUT=$OUT0/pp PLAN_ROUNDS=0 RUNS=${P_RUNS:-1} DRAM_BUDGET=${P_DRAM_BUDGET:-150} PLAN_BUDGET=100 \
   timeout 330 bash tests/gpu/plan-parts.sh
-ls -la "$OUT0"/ab "$OUT0"/pp

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (2026-12-07 evening): staged READs four ways, alternating, each run with the
+# One device call (2026-12-07): staged READs several ways (the arms), alternating, each run with the
 # DRAM KV patterns over the same rails first: min2 (the default: chunks of several blocks are
 # lent, into our slot or straight into our host memory), min1 (every chunk lent,
 # staging_lend_min_blocks=1), push (staging_lend_reads=false), depth8 (the default with
@@ -8,7 +8,7 @@
 # From the repository root with .gpu carried:
 #   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0,
 #                                             AB_GREP: the lines shown, default READ)
-# Results in $OUT/read-ab.tar.xz, the READ lines on stdout.
+# Results in $OUT/read-ab.tar.xz, the lines AB_GREP picks (READ) on stdout.
 set -u
 B=$(pwd)/.gpu
 OUT0=$OUT
