@@ -70,6 +70,7 @@ CONFIGS = {
     "ours-tcp-before": ours(NIXL_PLUGIN_DIR="@before"),
     # NOPROG, as ucx-tcp-noprog
     "ours-tcp-noprog": ours(**NOPROG),
+    "ours-tcp-noprog-before": ours(**NOPROG, NIXL_PLUGIN_DIR="@before"),
     # ours on the libfabric the stock plugin runs on (STOCK_LD_PATH: libfabric main), to tell
     # the provider's share of a difference from ours
     "ours-tcp-noprog-lfmain": ours(**NOPROG, NIXL_FABRIC_CUDA_LIB="/nonexistent", LD_LIBRARY_PATH="@stock_ld"),
