@@ -4,7 +4,8 @@
 # lent, into our slot or straight into our host memory), min1 (every chunk lent,
 # staging_lend_min_blocks=1), push (staging_lend_reads=false), depth8 (the default with
 # staging_depth=8), rail0 (the default with chunks on rail 0 too, staging_rail0=true). Then the
-# GPU harness. d8min1: depth8 with every chunk lent; d8m1r0: d8min1 with chunks on rail 0 too. c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size).
+# GPU harness. d8min1: depth8 with every chunk lent; d8m1r0: d8min1 with chunks on rail 0 too.
+# c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size).
 # From the repository root with .gpu carried:
 #   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0,
 #                                             AB_GREP: the lines shown, default READ)
@@ -18,22 +19,23 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
   for arm in ${AB_ARMS:-min2 min1 push rail0 depth8}; do
     # (Runs past AB_BUDGET seconds are skipped, so the results are packed before the call's limit.)
     [ $((SECONDS - start)) -lt "${AB_BUDGET:-400}" ] || { echo "skip $arm$r: budget"; continue; }
-    sweep=0:4; e2=X_AB2=1
+    # (Each arm's settings; the default arms set none.)
+    sweep=0:4; e=()
     case $arm in
-      min2) e=X_AB=1 ;;
-      min1) e=NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1 ;;
-      push) e=NIXL_FABRIC_STAGING_LEND_READS=false ;;
-      depth8) e=X_AB=1; sweep=0:8 ;;
-      d8min1) e=NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1; sweep=0:8 ;;
-      d8m1r0) e=NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1; sweep=0:8; e2=NIXL_FABRIC_STAGING_RAIL0=true ;;
-      rail0) e=NIXL_FABRIC_STAGING_RAIL0=true ;;
-      c2m) e=X_AB=1; sweep=2M:4 ;;
-      c4m) e=X_AB=1; sweep=4M:4 ;;
+      min2) ;;
+      min1) e=(NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1) ;;
+      push) e=(NIXL_FABRIC_STAGING_LEND_READS=false) ;;
+      depth8) sweep=0:8 ;;
+      d8min1) e=(NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1); sweep=0:8 ;;
+      d8m1r0) e=(NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1 NIXL_FABRIC_STAGING_RAIL0=true); sweep=0:8 ;;
+      rail0) e=(NIXL_FABRIC_STAGING_RAIL0=true) ;;
+      c2m) sweep=2M:4 ;;
+      c4m) sweep=4M:4 ;;
       *) echo "unknown arm $arm"; continue ;;
     esac
     t=-$arm$r
     echo "=== $t"
-    env "$e" "$e2" OUT="$OUT0/ab" RUN_GPU_ONLY=staging STAGING_SWEEP=$sweep STAGING_DRAM_KV=1 STAGING_TAG=$t STAGING_ONLY="$P" \
+    env "${e[@]}" OUT="$OUT0/ab" RUN_GPU_ONLY=staging STAGING_SWEEP=$sweep STAGING_DRAM_KV=1 STAGING_TAG=$t STAGING_ONLY="$P" \
       timeout 150 bash "$B/run-gpu.sh" > "$OUT0/staging$t.log" 2>&1
     grep -E "GB/s" "$OUT0/staging$t.log" | grep -E "${AB_GREP:-READ}"
   done
@@ -44,4 +46,4 @@ if [ "${AB_HARNESS:-1}" = 1 ]; then
 fi
 # (The names are expanded inside $OUT0: from here the log names matched nothing, tar failed and
 # every log came back on its own, past the device tool's count of files.)
-(cd "$OUT0" && tar -cJf read-ab.tar.xz ab $(ls -d harness staging-*.log harness.log 2>/dev/null) && rm -rf ab harness staging-*.log harness.log)
+(cd "$OUT0" && tar -cJf read-ab.tar.xz $(ls -d ab harness staging-*.log harness.log 2>/dev/null) && rm -rf ab harness staging-*.log harness.log)
