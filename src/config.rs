@@ -59,6 +59,8 @@ tunables! {
         "descriptors of at least this many bytes are split across all rails";
     notif_rail0_bytes: u64 = Size, "65536", "NIXL_FABRIC_NOTIF_RAIL0_BYTES",
         "requests to a peer over the network rails of at most this many bytes (all descriptors together) go on rail 0, the control endpoint, where a provider that orders a send after writes (FI_ORDER_SAW: tcp, sockets) lets their notification follow the data at once instead of after a flush read's round trip; larger ones, and every one with 0, are spread over the rails";
+    rma_rail0: bool = Bool, "true", "NIXL_FABRIC_RMA_RAIL0",
+        "false keeps the RMA of requests larger than notif_rail0_bytes off rail 0 (and the peer's rail 0) wherever the route has at least two other pairs, as staging_rail0 does for staged chunks: rail 0 then carries control messages, notifications and small requests only, which never queue behind bulk bytes there; true stripes bulk data over every rail";
     notif_behind_data: bool = Bool, "true", "NIXL_FABRIC_NOTIF_BEHIND_DATA",
         "where rail 0 orders a send after writes at both ends (FI_ORDER_SAW: tcp, sockets), a notification whose data all went on rail 0 is sent right behind it, and flush reads right behind the writes on rails the progress thread posts to; off: a notification waits for the flush reads (or delivery-complete writes), and a flush read for its writes' completions";
     eager_write_bytes: u64 = Size, "8192", "NIXL_FABRIC_EAGER_WRITE_BYTES",
@@ -244,6 +246,7 @@ impl Config {
             staging_depth: 0,
             staging_ranges: 0,
             staging_rail0: true,
+            rma_rail0: true,
             staging_lend_reads: true,
             staging_lend_min_blocks: 2,
             fault_inject: String::new(),

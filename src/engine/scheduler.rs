@@ -462,7 +462,7 @@ fn plan_part<'a>(inp: &Inputs, target: &Target, span: Span, mut pairs: impl Iter
             }
             (Way::Staged(lstaged), Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
                 run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |_, local, (ra, _, _), _| {
-                    staged_segs(inp, &mut segs, &mut fill, local, (ra, desc), lstaged, &peer.route);
+                    staged_segs(inp, &mut segs, &mut fill, local, (ra, desc), lstaged, peer.bulk_route(inp.cfg.staging_rail0));
                 })?
             }
             (Way::Rma, Target::Peer(_), RemoteMem::Peer { desc, .. }) if small.eager && lm.kind == MemKind::Dram && lm.dev.is_none() && desc.mem_type == 0 => {
@@ -473,7 +473,9 @@ fn plan_part<'a>(inp: &Inputs, target: &Target, span: Span, mut pairs: impl Iter
             }
             (Way::Rma, Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
                 sum.device_rma |= lm.dev.is_some();
-                let spread = Spread { count, small: small.rail0, route: &peer.route };
+                // A request kept on rail 0 needs the route's first pair (rail 0 to rail 0).
+                let route = if small.rail0 { &peer.route[..] } else { peer.bulk_route(inp.cfg.rma_rail0) };
+                let spread = Spread { count, small: small.rail0, route };
                 run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |at, local, (ra, _, _), join| {
                     rma_segs(inp, &mut segs, &spread, at, local, (ra, desc), join);
                 })?
@@ -792,18 +794,10 @@ struct ChunkFill {
     shared: (u8, usize, u64),
 }
 
-/// The rail pair of the next staging chunk: the route's pairs in turn, past those that
-/// touch rail 0 on either side where config staging_rail0 is off and at least two other
-/// pairs exist (with one, rail 0's queue costs less than half the rails).
+/// The rail pair of the next staging chunk: the pairs of `route` (the peer's bulk route) in
+/// turn.
 fn next_chunk_pair(inp: &Inputs, route: &[RoutePair]) -> RoutePair {
-    let turn = || route[inp.rr_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % route.len()];
-    let mut h = turn();
-    if !inp.cfg.staging_rail0 && route.iter().filter(|p| p.rail != 0 && p.rrail != 0).count() >= 2 {
-        while h.rail == 0 || h.rrail == 0 {
-            h = turn();
-        }
-    }
-    h
+    route[inp.rr_chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % route.len()]
 }
 
 /// Cuts a pair with staged device memory on either side into segments of packed staging
@@ -958,6 +952,31 @@ mod tests {
     }
 
     #[test]
+    fn rma_rail0_off_keeps_bulk_data_off_the_control_pair_but_not_small_requests() {
+        let mut cfg = Config::defaults();
+        cfg.striping_threshold = 1 << 20;
+        cfg.rma_rail0 = false;
+        let p = peer(1, 3, Locality::Remote, false);
+        let l = mem(ME, 0x10_0000, 64 << 20, 3);
+        let r = remote(&p, 0x900_0000, 64 << 20, 3);
+        let big = [Pair { local: (0x10_0000, 4 << 20, &l), remote: (0x900_0000, 4 << 20, &r) }];
+        let plan = run(&cfg, 3, &Target::Peer(p.clone()), &big, &Nothing(None)).unwrap();
+        assert_eq!(plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>(), vec![(1, 1), (1, 1), (2, 2), (2, 2)]);
+        assert!(plan.segs.iter().all(|s| s.rkey == 100 + s.rrail as u64));
+        // Runs of small descriptors take the two bulk pairs in turn too.
+        let many: Vec<Pair> = (0..64u64).map(|i| Pair { local: (0x10_0000 + i * 8192, 4096, &l), remote: (0x900_0000 + (63 - i) * 8192, 4096, &r) }).collect();
+        let plan = run(&cfg, 3, &Target::Peer(p.clone()), &many, &Nothing(None)).unwrap();
+        assert!(plan.segs.iter().all(|s| s.rail != 0 && s.rrail != 0));
+        assert!(plan.segs.iter().any(|s| s.rail == 1) && plan.segs.iter().any(|s| s.rail == 2));
+        // Two rails: one pair off rail 0 would halve the bandwidth, so both carry data.
+        let p2 = peer(2, 2, Locality::Remote, false);
+        let r2 = remote(&p2, 0x900_0000, 64 << 20, 2);
+        let big2 = [Pair { local: (0x10_0000, 4 << 20, &l), remote: (0x900_0000, 4 << 20, &r2) }];
+        let plan = run(&cfg, 2, &Target::Peer(p2), &big2, &Nothing(None)).unwrap();
+        assert_eq!(plan.segs.iter().map(|s| s.rail).collect::<Vec<_>>(), vec![0, 0, 1, 1]);
+    }
+
+    #[test]
     fn adjacent_blocks_of_one_registration_pair_join_into_one_range_per_rail() {
         let mut cfg = Config::defaults();
         cfg.striping_threshold = 1 << 20;
@@ -1044,6 +1063,17 @@ mod tests {
         let chunks = AtomicUsize::new(0);
         let plan = plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &off, shapes: &ordered, rr_base: 2, rr_chunks: &chunks, timed: false, plan_threads: 1 }, &Target::Peer(p.clone()), &blocks(1, 4096)[..], &Nothing(None)).unwrap();
         assert_eq!(rails_of(&plan), vec![(2, 2)]);
+        // rma_rail0 off: the small ones still stay on rail 0; the larger ones skip it.
+        let mut bulk_off = cfg.clone();
+        bulk_off.rma_rail0 = false;
+        for rr in 0..4 {
+            let at = |pairs: &[Pair]| {
+                let chunks = AtomicUsize::new(0);
+                rails_of(&super::plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &bulk_off, shapes: &ordered, rr_base: rr, rr_chunks: &chunks, timed: false, plan_threads: 1 }, &Target::Peer(p.clone()), pairs, &Nothing(None)).unwrap())
+            };
+            assert_eq!(at(&blocks(1, 4096)), vec![(0, 0)], "turn {rr}");
+            assert!(at(&blocks(32, 4096)).iter().all(|&(a, b)| a != 0 && b != 0), "turn {rr}");
+        }
     }
 
     #[test]
