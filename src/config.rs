@@ -48,7 +48,7 @@ tunables! {
     iface: String = Str, "", "NIXL_FABRIC_IFACE",
         "comma-separated libfabric domain names (for tcp/sockets: interface names such as lo or eth0) to open rails on; empty picks them automatically";
     rails: u64 = U64, "0", "NIXL_FABRIC_RAILS",
-        "number of rails (endpoints); 0 = one per matching domain, but tcp/sockets stay on one interface unless `iface` lists several, and open several connections on larger hosts (four with 16 or more cores, two with 8 or more; a single interface then carries them all); more than the domains cycles over them";
+        "number of rails (endpoints); 0 = one per matching domain, but tcp/sockets stay on one interface unless `iface` lists several, and open several connections on larger hosts (six with 16 or more cores, two with 8 or more; a single interface then carries them all); more than the domains cycles over them";
     progress_thread: bool = Bool, "true", "NIXL_FABRIC_PROGRESS_THREAD",
         "run a progress thread; off means progress happens in check/notification calls";
     caller_progress: bool = Bool, "true", "NIXL_FABRIC_CALLER_PROGRESS",
@@ -59,8 +59,8 @@ tunables! {
         "descriptors of at least this many bytes are split across all rails";
     notif_rail0_bytes: u64 = Size, "65536", "NIXL_FABRIC_NOTIF_RAIL0_BYTES",
         "requests to a peer over the network rails of at most this many bytes (all descriptors together) go on rail 0, the control endpoint, where a provider that orders a send after writes (FI_ORDER_SAW: tcp, sockets) lets their notification follow the data at once instead of after a flush read's round trip; larger ones, and every one with 0, are spread over the rails";
-    rma_rail0: bool = Bool, "true", "NIXL_FABRIC_RMA_RAIL0",
-        "false keeps the RMA of requests larger than notif_rail0_bytes off rail 0 (and the peer's rail 0) wherever the route has at least two other pairs, as staging_rail0 does for staged chunks: rail 0 then carries control messages, notifications and small requests only, which never queue behind bulk bytes there; true stripes bulk data over every rail";
+    rma_rail0: bool = Bool, "false", "NIXL_FABRIC_RMA_RAIL0",
+        "where rail 0 is one of several connections over one interface (tcp's automatic rails), false keeps the RMA of requests larger than notif_rail0_bytes off rail 0 (and the peer's rail 0) wherever the route has at least two other pairs, as staging_rail0 does for staged chunks: rail 0, which the progress thread drives, then carries control messages, notifications and small requests only, and bulk data goes over the rails that have threads of their own (H100, six tcp rails: 4096 x 4 KiB and 256 x 256 KiB WRITEs 1.6x, 64 MiB 1.15x); true stripes bulk data over every rail. Rails on interfaces of their own (an iface list, verbs, efa) always all carry data";
     notif_behind_data: bool = Bool, "true", "NIXL_FABRIC_NOTIF_BEHIND_DATA",
         "where rail 0 orders a send after writes at both ends (FI_ORDER_SAW: tcp, sockets), a notification whose data all went on rail 0 is sent right behind it, and flush reads right behind the writes on rails the progress thread posts to; off: a notification waits for the flush reads (or delivery-complete writes), and a flush read for its writes' completions";
     eager_write_bytes: u64 = Size, "8192", "NIXL_FABRIC_EAGER_WRITE_BYTES",

@@ -72,7 +72,7 @@ const INLINE_POST_BYTES: u64 = 256 << 10;
 /// (H100 host, 2026-12-05, same run: 4 rails 4.1-12.3 GB/s VRAM->VRAM, 5 rails 9.6-16.1;
 /// DRAM 64 MiB READ 9.5-15.4 against 14.0-16.3).
 /// On a 2-core host a second connection only competes for the cores.
-const AUTO_SOCKET_RAILS: [(usize, usize); 2] = [(16, 5), (8, 2)];
+const AUTO_SOCKET_RAILS: [(usize, usize); 2] = [(16, 6), (8, 2)];
 
 /// The rail count rails=0 gives tcp/sockets on a host with `cores` cores (None: another
 /// provider, which has its own rule).
@@ -135,11 +135,15 @@ impl Engine {
             packed_staging: true,
             eager_write: true, lends: true,
         };
-        let shapes = rails.iter().map(|r| RailShape {
+        // Network rail i goes over interface (domain) i % specs (the shm rail after them has
+        // its own).
+        let shared = |i: usize| i < count && (0..count).any(|j| j != i && j % specs.len() == i % specs.len());
+        let shapes = rails.iter().enumerate().map(|(i, r)| RailShape {
             max_msg: r.caps.max_msg_size.max(4096),
             virt_addr: r.caps.virt_addr,
             provider: r.caps.prov_name.clone(),
             order_saw: r.caps.order_saw,
+            nic_shared: shared(i),
         }).collect();
         let closeq = SharedCloseQueue::default();
         let threaded = cfg.progress_thread;
@@ -794,7 +798,7 @@ mod tests {
     #[test]
     fn automatic_rail_count_for_socket_providers_follows_the_core_count() {
         assert_eq!(auto_socket_rails("tcp;ofi_rxm", 2), Some(1));
-        assert_eq!(auto_socket_rails("tcp", 16), Some(5));
+        assert_eq!(auto_socket_rails("tcp", 16), Some(6));
         assert_eq!(auto_socket_rails("tcp", 15), Some(2));
         assert_eq!(auto_socket_rails("sockets", 8), Some(2));
         assert_eq!(auto_socket_rails("sockets", 7), Some(1));

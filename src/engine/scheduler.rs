@@ -38,6 +38,10 @@ pub struct RailShape {
     /// The rail orders a send after writes (RailCaps::order_saw): on rail 0, a notification
     /// can follow its data at once.
     pub order_saw: bool,
+    /// Another rail of ours goes over this rail's interface (several connections on one NIC,
+    /// as tcp's automatic rails): on rail 0, bulk data may then keep off it (config
+    /// rma_rail0) and the interface still carries its share through the others.
+    pub nic_shared: bool,
 }
 
 /// What the scheduler may learn about same-host memory, and the one side effect a route
@@ -474,7 +478,8 @@ fn plan_part<'a>(inp: &Inputs, target: &Target, span: Span, mut pairs: impl Iter
             (Way::Rma, Target::Peer(peer), RemoteMem::Peer { desc, .. }) => {
                 sum.device_rma |= lm.dev.is_some();
                 // A request kept on rail 0 needs the route's first pair (rail 0 to rail 0).
-                let route = if small.rail0 { &peer.route[..] } else { peer.bulk_route(inp.cfg.rma_rail0) };
+                let rail0 = inp.cfg.rma_rail0 || !inp.shapes.first().is_some_and(|s| s.nic_shared);
+                let route = if small.rail0 { &peer.route[..] } else { peer.bulk_route(rail0) };
                 let spread = Spread { count, small: small.rail0, route };
                 run.each(&mut pairs, first, (&mut i, &mut sum.bytes), |at, local, (ra, _, _), join| {
                     rma_segs(inp, &mut segs, &spread, at, local, (ra, desc), join);
@@ -876,7 +881,7 @@ mod tests {
     }
 
     fn shapes(n: usize) -> Vec<RailShape> {
-        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, provider: "tcp".into(), order_saw: false }).collect()
+        (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, provider: "tcp".into(), order_saw: false, nic_shared: true }).collect()
     }
 
     fn mem(engine: u64, base: u64, len: u64, rails: usize) -> Arc<LocalMem> {
@@ -968,6 +973,13 @@ mod tests {
         let plan = run(&cfg, 3, &Target::Peer(p.clone()), &many, &Nothing(None)).unwrap();
         assert!(plan.segs.iter().all(|s| s.rail != 0 && s.rrail != 0));
         assert!(plan.segs.iter().any(|s| s.rail == 1) && plan.segs.iter().any(|s| s.rail == 2));
+        // Rails on interfaces of their own (verbs, efa, an iface list): rail 0's interface
+        // would idle, so every rail carries data.
+        let mut own = shapes(3);
+        own.iter_mut().for_each(|s| s.nic_shared = false);
+        let rr = AtomicUsize::new(0);
+        let plan = super::plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &cfg, shapes: &own, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1 }, &Target::Peer(p.clone()), &big[..], &Nothing(None)).unwrap();
+        assert!(plan.segs.iter().any(|s| s.rail == 0) && plan.segs.iter().any(|s| s.rail == 2));
         // Two rails: one pair off rail 0 would halve the bandwidth, so both carry data.
         let p2 = peer(2, 2, Locality::Remote, false);
         let r2 = remote(&p2, 0x900_0000, 64 << 20, 2);
@@ -1038,7 +1050,9 @@ mod tests {
 
     #[test]
     fn small_requests_stay_on_rail_0_where_it_orders_a_notification_behind_data() {
-        let cfg = Config::defaults();
+        // Bulk requests take every rail here (the rule's other half is below).
+        let mut cfg = Config::defaults();
+        cfg.rma_rail0 = true;
         let p = peer(1, 4, Locality::Remote, false);
         let l = mem(ME, 0x10_0000, 64 << 20, 4);
         let r = remote(&p, 0x900_0000, 64 << 20, 4);

@@ -8,6 +8,8 @@
 # c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size).
 # r5off: host memory's RMA off rail 0 too (rma_rail0=false: it then stripes over the four rails
 # the chunks take); r6off: the same with six rails (five for either); r6: six rails alone.
+# Since 2026-12-07 evening r6off is the default (min2 and the others then run with it): old is
+# the defaults before it (five rails, bulk host RMA on every rail); r8: eight rails.
 # From the repository root with .gpu carried:
 #   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0,
 #                                             AB_GREP: the lines shown, default READ)
@@ -34,6 +36,8 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
       r5off) e=(NIXL_FABRIC_RMA_RAIL0=false) ;;
       r6off) e=(NIXL_FABRIC_RAILS=6 NIXL_FABRIC_RMA_RAIL0=false) ;;
       r6) e=(NIXL_FABRIC_RAILS=6) ;;
+      old) e=(NIXL_FABRIC_RAILS=5 NIXL_FABRIC_RMA_RAIL0=true) ;;
+      r8) e=(NIXL_FABRIC_RAILS=8) ;;
       c2m) sweep=2M:4 ;;
       c4m) sweep=4M:4 ;;
       *) echo "unknown arm $arm"; continue ;;

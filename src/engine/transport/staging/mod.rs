@@ -977,7 +977,7 @@ mod tests {
     /// way the engine does (scheduler::plan), and returns the request.
     fn planned(p: &Pair, op: Op, blocks: &[(u64, u64, u64)], local: &Arc<LocalMem>, remote: &Arc<crate::engine::remote::RemoteMem>) -> Arc<Request> {
         use crate::engine::scheduler::{plan, Inputs, Pair as DescPair, RailShape};
-        let shapes: Vec<RailShape> = (0..RAILS).map(|_| RailShape { max_msg: 1 << 30, virt_addr: true, provider: "fake".into(), order_saw: false }).collect();
+        let shapes: Vec<RailShape> = (0..RAILS).map(|_| RailShape { max_msg: 1 << 30, virt_addr: true, provider: "fake".into(), order_saw: false, nic_shared: true }).collect();
         let rr = std::sync::atomic::AtomicUsize::new(0);
         let rbase = match &**remote {
             crate::engine::remote::RemoteMem::Peer { desc, .. } => desc.base,
