@@ -61,16 +61,16 @@ const INLINE_POST_BYTES: u64 = 256 << 10;
 
 /// rails=0 with tcp or sockets and no interface list: several connections over the one
 /// interface, by core count. Each rail after the first has a thread (posting and progress)
-/// in each of the two processes of a same-host pair, so the count stays within a quarter of
+/// in each of the two processes of a same-host pair, so the count stays near a third of
 /// the cores. On the 16-core H200 host, with rail threads posting their own writes, 64 MiB
 /// over tcp moved 2.9 GB/s on one rail, 4.4 on two, 10.0 on four and 14.8 on eight (raw TCP
 /// streams: 2.4 / 4.6 / 9.3 / 17.8; README table), and four rails beat two at every KV
 /// batch; eight rails cost single small transfers ~1.5x in latency (16 spinning threads on
-/// 16 cores). A fifth rail on 16 cores: rail 0 carries the control messages, and packed
-/// staging keeps its chunks off it (config staging_rail0) so that a stage request or answer
-/// never queues behind a chunk's bytes, which leaves four rails of data for GPU memory
-/// (H100 host, 2026-12-05, same run: 4 rails 4.1-12.3 GB/s VRAM->VRAM, 5 rails 9.6-16.1;
-/// DRAM 64 MiB READ 9.5-15.4 against 14.0-16.3).
+/// 16 cores). Six on 16 cores: rail 0 carries the control messages and small requests, and
+/// bulk data keeps off it (configs staging_rail0, rma_rail0), leaving five rails with threads
+/// of their own for GPU chunks and host memory alike (H100 host, 2026-12-07, alternating
+/// runs against five rails with host memory on all five: every VRAM pattern 1.04-1.23x,
+/// host KV WRITEs 1.6x, 64 MiB 1.15x; README, GPU section).
 /// On a 2-core host a second connection only competes for the cores.
 const AUTO_SOCKET_RAILS: [(usize, usize); 2] = [(16, 6), (8, 2)];
 
