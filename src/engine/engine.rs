@@ -83,6 +83,14 @@ fn auto_socket_rails(prov: &str, cores: usize) -> Option<usize> {
     Some(AUTO_SOCKET_RAILS.iter().find(|(min, _)| cores >= *min).map_or(1, |(_, n)| *n))
 }
 
+/// Whether network rail `i` of `count` shares its interface with another of them: rails
+/// cycle over the `domains` matching interfaces (rail i on i % domains), and a rail past
+/// `count` is the shm rail, which has its own.
+fn nic_shared(i: usize, count: usize, domains: usize) -> bool {
+    let d = domains.max(1);
+    i < count && (0..count).any(|j| j != i && j % d == i % d)
+}
+
 fn is_single_rail_provider(p: &str) -> bool {
     ["tcp", "sockets", "shm", "udp"].iter().any(|x| p.starts_with(x))
 }
@@ -135,15 +143,12 @@ impl Engine {
             packed_staging: true,
             eager_write: true, lends: true,
         };
-        // Network rail i goes over interface (domain) i % specs (the shm rail after them has
-        // its own).
-        let shared = |i: usize| i < count && (0..count).any(|j| j != i && j % specs.len() == i % specs.len());
         let shapes = rails.iter().enumerate().map(|(i, r)| RailShape {
             max_msg: r.caps.max_msg_size.max(4096),
             virt_addr: r.caps.virt_addr,
             provider: r.caps.prov_name.clone(),
             order_saw: r.caps.order_saw,
-            nic_shared: shared(i),
+            nic_shared: nic_shared(i, count, specs.len()),
         }).collect();
         let closeq = SharedCloseQueue::default();
         let threaded = cfg.progress_thread;
@@ -794,6 +799,20 @@ impl Reach for Reached<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rail_0_shares_its_interface_only_where_the_rails_outnumber_the_interfaces() {
+        // tcp's automatic rails: six connections over one interface.
+        assert!((0..6).all(|i| nic_shared(i, 6, 1)));
+        // One rail per NIC (verbs, efa, an iface list): none shares.
+        assert!((0..4).all(|i| !nic_shared(i, 4, 4)));
+        // Eight rails over four NICs: rail 0 and rail 4 share NIC 0.
+        assert!(nic_shared(0, 8, 4) && nic_shared(3, 8, 4));
+        // Five rails over four NICs: only NIC 0 carries two.
+        assert!(nic_shared(0, 5, 4) && nic_shared(4, 5, 4) && !nic_shared(1, 5, 4));
+        // One rail, and the shm rail after the network rails.
+        assert!(!nic_shared(0, 1, 1) && !nic_shared(6, 6, 1));
+    }
 
     #[test]
     fn automatic_rail_count_for_socket_providers_follows_the_core_count() {
