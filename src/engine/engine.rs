@@ -83,6 +83,26 @@ fn auto_socket_rails(prov: &str, cores: usize) -> Option<usize> {
     Some(AUTO_SOCKET_RAILS.iter().find(|(min, _)| cores >= *min).map_or(1, |(_, n)| *n))
 }
 
+/// How many network rails to open, and over how many of the `domains` matching ones they
+/// cycle (rail i on domain i % the second). An interface list means a rail on each (and the
+/// automatic connection count over them); without one, tcp/sockets stay on the first
+/// interface with their automatic count of connections there: other interfaces are often
+/// unrelated networks, or a container bridge whose address every host has, and a rail pair
+/// between two of those would connect nowhere or to the wrong process. Other providers open
+/// one rail per domain (NICs), single-rail ones (shm, udp) one. An explicit count cycles
+/// over every domain.
+fn rail_layout(rails: u64, listed: usize, auto: Option<usize>, single: bool, domains: usize) -> (usize, usize) {
+    let domains = domains.max(1);
+    match (rails, auto) {
+        (0, Some(n)) if listed > 0 => (n.max(domains), domains),
+        (0, Some(n)) => (n.max(1), 1),
+        (0, _) if listed > 0 => (domains, domains),
+        (0, None) if single => (1, 1),
+        (0, None) => (domains, domains),
+        (n, _) => (n as usize, domains),
+    }
+}
+
 /// Whether network rail `i` of `count` shares its interface with another of them: rails
 /// cycle over the `domains` matching interfaces (rail i on i % domains), and a rail past
 /// `count` is the shm rail, which has its own.
@@ -103,21 +123,17 @@ impl Engine {
         }
         // Ask for FI_HMEM only where a CUDA driver exists (it is what lets VRAM go zero-copy).
         let specs = fabric::discover(&cfg, crate::cuda::available())?;
-        // An explicit interface list means "a rail on each"; otherwise socket-like
-        // providers stay on one interface (their domains are often unrelated networks).
-        // tcp/sockets on a large host get several connections even on one interface.
         let listed = cfg.iface.split(',').filter(|s| !s.trim().is_empty()).count();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let count = match (cfg.rails, auto_socket_rails(&specs[0].prov_name, cores)) {
-            (0, Some(n)) => n.max(if listed > 0 { specs.len() } else { 1 }),
-            (0, _) if listed > 0 => specs.len(),
-            (0, None) if is_single_rail_provider(&specs[0].prov_name) => 1,
-            (0, None) => specs.len(),
-            (n, _) => n as usize,
-        };
+        let auto = auto_socket_rails(&specs[0].prov_name, cores);
+        let (count, domains) = rail_layout(cfg.rails, listed, auto, is_single_rail_provider(&specs[0].prov_name), specs.len());
+        if domains < specs.len() {
+            log::info!("{name}: {count} rail(s) on {} only; set iface to spread them over {}", specs[0].domain_name,
+                       specs.iter().map(|s| s.domain_name.as_str()).collect::<Vec<_>>().join(","));
+        }
         let mut rails: Vec<Rail> = Vec::with_capacity(count + 1);
         for i in 0..count {
-            rails.push(Rail::open(name, &specs[i % specs.len()], i, cfg.progress_thread)?);
+            rails.push(Rail::open(name, &specs[i % domains], i, cfg.progress_thread)?);
         }
         // A shm rail beside the network rails, for peers on this host.
         if cfg.same_host_shm && !specs[0].prov_name.starts_with("shm") {
@@ -148,7 +164,7 @@ impl Engine {
             virt_addr: r.caps.virt_addr,
             provider: r.caps.prov_name.clone(),
             order_saw: r.caps.order_saw,
-            nic_shared: nic_shared(i, count, specs.len()),
+            nic_shared: nic_shared(i, count, domains),
         }).collect();
         let closeq = SharedCloseQueue::default();
         let threaded = cfg.progress_thread;
@@ -799,6 +815,20 @@ impl Reach for Reached<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn socket_providers_without_an_interface_list_stay_on_the_first_interface() {
+        // tcp on 16 cores, two interfaces, no list: six connections on the first.
+        assert_eq!(rail_layout(0, 0, Some(6), true, 2), (6, 1));
+        // Listed: six over both (three each); three listed on 8 cores: one each.
+        assert_eq!(rail_layout(0, 2, Some(6), true, 2), (6, 2));
+        assert_eq!(rail_layout(0, 3, Some(2), true, 3), (3, 3));
+        // An explicit count cycles over every interface found.
+        assert_eq!(rail_layout(4, 0, Some(6), true, 2), (4, 2));
+        // verbs/efa: a rail per NIC; shm/udp: one.
+        assert_eq!(rail_layout(0, 0, None, false, 4), (4, 4));
+        assert_eq!(rail_layout(0, 0, None, true, 1), (1, 1));
+    }
 
     #[test]
     fn rail_0_shares_its_interface_only_where_the_rails_outnumber_the_interfaces() {
