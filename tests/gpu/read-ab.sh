@@ -6,10 +6,12 @@
 # staging_depth=8), rail0 (the default with chunks on rail 0 too, staging_rail0=true). Then the
 # GPU harness. d8min1: depth8 with every chunk lent; d8m1r0: d8min1 with chunks on rail 0 too.
 # c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size).
-# r5off: host memory's RMA off rail 0 too (rma_rail0=false: it then stripes over the four rails
-# the chunks take); r6off: the same with six rails (five for either); r6: six rails alone.
-# Since 2026-12-07 evening r6off is the default (min2 and the others then run with it): old is
-# the defaults before it (five rails, bulk host RMA on every rail); r8: eight rails.
+# r5off: five rails, host memory's RMA off rail 0 too (rma_rail0=false: it then stripes over the
+# four rails the chunks take); r6off: the same with six rails (five for either); r6: six rails
+# with host memory on all six. Each of these names both settings, so it means the same whatever
+# the defaults are. Since 2026-12-07 evening r6off is the default (min2 and the others then run
+# with it): old is the defaults before it (five rails, bulk host RMA on every rail); r8: eight
+# rails at the default rma_rail0.
 # From the repository root with .gpu carried:
 #   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0,
 #                                             AB_GREP: the lines shown, default READ)
@@ -33,9 +35,9 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
       d8min1) e=(NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1); sweep=0:8 ;;
       d8m1r0) e=(NIXL_FABRIC_STAGING_LEND_MIN_BLOCKS=1 NIXL_FABRIC_STAGING_RAIL0=true); sweep=0:8 ;;
       rail0) e=(NIXL_FABRIC_STAGING_RAIL0=true) ;;
-      r5off) e=(NIXL_FABRIC_RMA_RAIL0=false) ;;
+      r5off) e=(NIXL_FABRIC_RAILS=5 NIXL_FABRIC_RMA_RAIL0=false) ;;
       r6off) e=(NIXL_FABRIC_RAILS=6 NIXL_FABRIC_RMA_RAIL0=false) ;;
-      r6) e=(NIXL_FABRIC_RAILS=6) ;;
+      r6) e=(NIXL_FABRIC_RAILS=6 NIXL_FABRIC_RMA_RAIL0=true) ;;
       old) e=(NIXL_FABRIC_RAILS=5 NIXL_FABRIC_RMA_RAIL0=true) ;;
       r8) e=(NIXL_FABRIC_RAILS=8) ;;
       c2m) sweep=2M:4 ;;
