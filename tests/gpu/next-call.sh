@@ -7,6 +7,7 @@
 #   OUT=$OUT bash tests/gpu/next-call.sh c     (~180 s on the H100; 2026-12-06 afternoon)
 #   OUT=$OUT bash tests/gpu/next-call.sh d     (~300 s)
 #   OUT=$OUT bash tests/gpu/next-call.sh e     (~360 s; 2026-12-07)
+#   OUT=$OUT bash tests/gpu/next-call.sh f     (~460 s)
 # a:
 #  1. #24: FI_HMEM between two processes on shm, now registered FI_HMEM_DEVICE_ONLY (shm's
 #     device-to-device IPC protocol; 0.14-0.60x shm's DRAM rate before), and the one-process
@@ -31,6 +32,10 @@
 # e (#24 on the H200 again, the same build of staging as af9d739's night run, where 20 of 24
 #    cases held 0.8x of DRAM): automatic rails with UCX tcp+cuda_copy beside it, then eight
 #    rails; both with the DRAM KV patterns over the same rails, all six staging patterns.
+# f (the new default of 6e98107, six rails with host memory off rail 0, which the A/B of
+#    2026-12-07 measured without UCX): automatic rails, all seven staging patterns, the DRAM KV
+#    patterns over the same rails and UCX tcp+cuda_copy in the same run; the vLLM pattern with
+#    UCX; small transfers over tcp against UCX tcp (notif_latency.py).
 # Everything goes into $OUT/next-call-<a|b|c|d>.tar.xz (each section's results under its own
 # name) and the summaries to stdout.
 set -u
@@ -88,6 +93,12 @@ e)
   P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
   run staging-auto 200 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
   run staging-r8 150 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_TAG=-r8 NIXL_FABRIC_RAILS=8 STAGING_ONLY="$P"
+  ;;
+f)
+  P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
+  run staging-auto 220 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
+  run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
+  run notif 130 RUN_GPU_ONLY=notif NOTIF_BUDGET=110
   ;;
 esac
 tar -C "$W" -cJf "$OUT/next-call-${1:-a}.tar.xz" .
