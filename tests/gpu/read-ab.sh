@@ -11,10 +11,14 @@
 # with host memory on all six. Each of these names both settings, so it means the same whatever
 # the defaults are. Since 2026-12-07 evening r6off is the default (min2 and the others then run
 # with it): old is the defaults before it (five rails, bulk host RMA on every rail); r8: eight
-# rails at the default rma_rail0.
+# rails at the default rma_rail0. For hosts of 8-15 cores (automatic tcp rails: two), with
+# AB_PIN="taskset -c 0-7" (every process of the run on eight cores): p2 (two rails, the
+# automatic count there), p3off / p4off (three / four rails, host memory off rail 0), p3 (three
+# rails, host memory on all three).
 # From the repository root with .gpu carried:
 #   OUT=$OUT bash tests/gpu/read-ab.sh       (AB_ROUNDS, AB_ARMS, AB_ONLY, AB_BUDGET, AB_HARNESS=0,
-#                                             AB_GREP: the lines shown, default READ)
+#                                             AB_GREP: the lines shown, default READ; AB_PIN: a
+#                                             command prefix for every run, e.g. taskset -c 0-7)
 # Results in $OUT/read-ab.tar.xz, the lines AB_GREP picks (READ) on stdout.
 set -u
 B=$(pwd)/.gpu
@@ -40,6 +44,10 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
       r6) e=(NIXL_FABRIC_RAILS=6 NIXL_FABRIC_RMA_RAIL0=true) ;;
       old) e=(NIXL_FABRIC_RAILS=5 NIXL_FABRIC_RMA_RAIL0=true) ;;
       r8) e=(NIXL_FABRIC_RAILS=8) ;;
+      p2) e=(NIXL_FABRIC_RAILS=2 NIXL_FABRIC_RMA_RAIL0=false) ;;
+      p3off) e=(NIXL_FABRIC_RAILS=3 NIXL_FABRIC_RMA_RAIL0=false) ;;
+      p3) e=(NIXL_FABRIC_RAILS=3 NIXL_FABRIC_RMA_RAIL0=true) ;;
+      p4off) e=(NIXL_FABRIC_RAILS=4 NIXL_FABRIC_RMA_RAIL0=false) ;;
       c2m) sweep=2M:4 ;;
       c4m) sweep=4M:4 ;;
       *) echo "unknown arm $arm"; continue ;;
@@ -47,7 +55,7 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
     t=-$arm$r
     echo "=== $t"
     env "${e[@]}" OUT="$OUT0/ab" RUN_GPU_ONLY=staging STAGING_SWEEP=$sweep STAGING_DRAM_KV=1 STAGING_TAG=$t STAGING_ONLY="$P" \
-      timeout 150 bash "$B/run-gpu.sh" > "$OUT0/staging$t.log" 2>&1
+      ${AB_PIN:-} timeout 150 bash "$B/run-gpu.sh" > "$OUT0/staging$t.log" 2>&1
     grep -E "GB/s" "$OUT0/staging$t.log" | grep -E "${AB_GREP:-READ}"
   done
 done
