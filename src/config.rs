@@ -48,7 +48,7 @@ tunables! {
     iface: String = Str, "", "NIXL_FABRIC_IFACE",
         "comma-separated libfabric domain names (for tcp/sockets: interface names such as lo or eth0) to open rails on; empty picks them automatically";
     rails: u64 = U64, "0", "NIXL_FABRIC_RAILS",
-        "number of rails (endpoints); 0 = one per matching domain, but tcp/sockets stay on one interface unless `iface` lists several, and open several connections on larger hosts (six with 16 or more cores, two with 8 or more; a single interface then carries them all); more than the domains cycles over them";
+        "number of rails (endpoints); 0 = one per matching domain, but tcp/sockets stay on one interface unless `iface` lists several, and open several connections on larger hosts (six with 16 or more cores, four with 8 or more; a single interface then carries them all); more than the domains cycles over them";
     progress_thread: bool = Bool, "true", "NIXL_FABRIC_PROGRESS_THREAD",
         "run a progress thread; off means progress happens in check/notification calls";
     caller_progress: bool = Bool, "true", "NIXL_FABRIC_CALLER_PROGRESS",

@@ -61,18 +61,24 @@ const INLINE_POST_BYTES: u64 = 256 << 10;
 
 /// rails=0 with tcp or sockets and no interface list: several connections over the one
 /// interface, by core count. Each rail after the first has a thread (posting and progress)
-/// in each of the two processes of a same-host pair, so the count stays near a third of
-/// the cores. On the 16-core H200 host, with rail threads posting their own writes, 64 MiB
+/// in each of the two processes of a same-host pair, so the count stays at a third to a
+/// half of the cores. On the 16-core H200 host, with rail threads posting their own writes, 64 MiB
 /// over tcp moved 2.9 GB/s on one rail, 4.4 on two, 10.0 on four and 14.8 on eight (raw TCP
-/// streams: 2.4 / 4.6 / 9.3 / 17.8; README table), and four rails beat two at every KV
+/// streams: 2.4 / 4.6 / 9.3 / 17.8; docs/MEASUREMENTS.md, DRAM on the host users run on), and four rails beat two at every KV
 /// batch; eight rails cost single small transfers ~1.5x in latency (16 spinning threads on
 /// 16 cores). Six on 16 cores: rail 0 carries the control messages and small requests, and
 /// bulk data keeps off it (configs staging_rail0, rma_rail0), leaving five rails with threads
 /// of their own for GPU chunks and host memory alike (H100 host, 2026-12-07, alternating
 /// runs against five rails with host memory on all five: every VRAM pattern 1.04-1.23x,
-/// host KV WRITEs 1.6x, 64 MiB 1.15x; README, GPU section).
+/// host KV WRITEs 1.6x, 64 MiB 1.15x; README, GPU section). Four on 8-15 cores: with every
+/// process of a run on eight cores of the H100 host (2026-12-07, alternating runs), four
+/// rails (three for bulk data) moved host memory 1.1-1.9x (64 MiB: 1.5 / 1.7x READ / WRITE)
+/// and every staged GPU pattern 1.2-1.5x faster than two, and a single 4 KiB WRITE until
+/// notified took the same time (19.0 / 20.1 us against 20.2 / 20.9, progress threads off /
+/// on); three rails with bulk data off rail 0 carry it on two, no faster than two rails
+/// (bench/results/rails8core-2026-12-07u-h100/).
 /// On a 2-core host a second connection only competes for the cores.
-const AUTO_SOCKET_RAILS: [(usize, usize); 2] = [(16, 6), (8, 2)];
+const AUTO_SOCKET_RAILS: [(usize, usize); 2] = [(16, 6), (8, 4)];
 
 /// The rail count rails=0 gives tcp/sockets on a host with `cores` cores (None: another
 /// provider, which has its own rule).
@@ -848,8 +854,8 @@ mod tests {
     fn automatic_rail_count_for_socket_providers_follows_the_core_count() {
         assert_eq!(auto_socket_rails("tcp;ofi_rxm", 2), Some(1));
         assert_eq!(auto_socket_rails("tcp", 16), Some(6));
-        assert_eq!(auto_socket_rails("tcp", 15), Some(2));
-        assert_eq!(auto_socket_rails("sockets", 8), Some(2));
+        assert_eq!(auto_socket_rails("tcp", 15), Some(4));
+        assert_eq!(auto_socket_rails("sockets", 8), Some(4));
         assert_eq!(auto_socket_rails("sockets", 7), Some(1));
         assert_eq!(auto_socket_rails("efa", 64), None);
         assert_eq!(auto_socket_rails("shm", 64), None);

@@ -158,8 +158,8 @@ pub fn plan<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, pairs
 
 /// Fewest descriptors a request planned in parts has: its plan takes about half a
 /// millisecond on one thread of the GPU hosts (15-20 ns a descriptor), well above what a
-/// thread that starts on an idle core there takes to run (~140 us, README "DRAM on the host
-/// users run on"); shorter ones are planned on the posting thread alone.
+/// thread that starts on an idle core there takes to run (~140 us, docs/MEASUREMENTS.md,
+/// "DRAM on the host users run on"); shorter ones are planned on the posting thread alone.
 const PARTS_MIN_DESCS: usize = 32_768;
 /// Fewest descriptors a planning part takes.
 const PART_MIN_DESCS: usize = 4096;
