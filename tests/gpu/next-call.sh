@@ -7,7 +7,8 @@
 #   OUT=$OUT bash tests/gpu/next-call.sh c     (~180 s on the H100; 2026-12-06 afternoon)
 #   OUT=$OUT bash tests/gpu/next-call.sh d     (~300 s)
 #   OUT=$OUT bash tests/gpu/next-call.sh e     (~360 s; 2026-12-07)
-#   OUT=$OUT bash tests/gpu/next-call.sh f     (~460 s)
+#   OUT=$OUT bash tests/gpu/next-call.sh f     (~150 s on the H100, 2026-12-07)
+#   OUT=$OUT bash tests/gpu/next-call.sh g     (~250 s)
 # a:
 #  1. #24: FI_HMEM between two processes on shm, now registered FI_HMEM_DEVICE_ONLY (shm's
 #     device-to-device IPC protocol; 0.14-0.60x shm's DRAM rate before), and the one-process
@@ -36,6 +37,9 @@
 #    2026-12-07 measured without UCX): automatic rails, all seven staging patterns, the DRAM KV
 #    patterns over the same rails and UCX tcp+cuda_copy in the same run; the vLLM pattern with
 #    UCX; small transfers over tcp against UCX tcp (notif_latency.py).
+# g (f again for the H200, where the issues ask for it: three staging runs in a row, since the
+#    first run after a machine starts was the one that missed 0.8x on the H100, UCX after them;
+#    the vLLM pattern with UCX).
 # Everything goes into $OUT/next-call-<a|b|c|d>.tar.xz (each section's results under its own
 # name) and the summaries to stdout.
 set -u
@@ -99,6 +103,11 @@ f)
   run staging-auto 220 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
   run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   run notif 130 RUN_GPU_ONLY=notif NOTIF_BUDGET=110
+  ;;
+g)
+  P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
+  run staging-auto 300 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4 0:4 0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
+  run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   ;;
 esac
 tar -C "$W" -cJf "$OUT/next-call-${1:-a}.tar.xz" .
