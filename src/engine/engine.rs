@@ -521,7 +521,7 @@ impl Engine {
         Ok(Arc::new(RemoteMem::Local(mem.clone())))
     }
 
-    /// Checks every pair and cuts it into segments (scheduler.rs), once; posts reuse them.
+    /// Checks every pair and cuts it into segments (scheduler/), once; posts reuse them.
     pub fn prepare(&self, op: Op, pairs: &[Pair], peer_name: &str) -> Result<Arc<Request>> {
         self.prepare_from(op, pairs, peer_name)
     }

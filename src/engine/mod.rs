@@ -1,7 +1,7 @@
 //! The transfer engine: rails, registrations, peers, requests, notifications and the
 //! progress loop. Callers use [`Engine`] (engine.rs); everything that touches the rails
 //! runs in the driver (driver.rs), which moves bytes through the transports
-//! (transport/) along the routes the scheduler (scheduler.rs) picked. This file only
+//! (transport/) along the routes the scheduler (scheduler/) picked. This file only
 //! names the modules: nothing below imports from it.
 mod cma;
 mod conns;
