@@ -61,16 +61,16 @@ def main():
         under = sum(1 for x in rs if x < 0.8)
         low.append(f"{name} {min(rs):.2f} ({under} of {len(rs)} under 0.8)" if rs else f"{name} -")
     print("lowest ratio per run: " + ", ".join(low))
-    arms = list(dict.fromkeys(a for _, a, _ in runs))
+    by_arm = {}
+    for _, arm, res in runs:
+        by_arm.setdefault(arm, []).append(res)
     drams = sorted({dram_of(c) for c in cases})
     print(f"mean GB/s | {head} | " + " | ".join(d.replace("|", " ") for d in drams))
-    for a in arms:
-        rs = [r for _, arm, r in runs if arm == a]
+    for a, rs in by_arm.items():
         print(f"{a} | " + " | ".join(
             f"{st.mean(r[c] for r in rs if c in r):.2f}" if any(c in r for r in rs) else "-" for c in cases + drams))
     print(f"mean ratio to DRAM (mean over mean) | {head}")
-    for a in arms:
-        rs = [r for _, arm, r in runs if arm == a and True]
+    for a, rs in by_arm.items():
         out = []
         for c in cases:
             both = [r for r in rs if c in r and dram_of(c) in r]
@@ -80,8 +80,7 @@ def main():
         u = rates(o.ucx)
         print(f"UCX tcp+cuda_copy GB/s, same call | {head}")
         print("ucx | " + " | ".join(f"{u[c]:.2f}" if c in u else "-" for c in cases))
-        for a in arms:
-            rs = [r for _, arm, r in runs if arm == a]
+        for a, rs in by_arm.items():
             out = []
             for c in cases:
                 v = [r[c] / u[c] for r in rs if c in r and c in u]

@@ -257,6 +257,21 @@ fn deliver(from: &mut Bench, to: &mut Bench, t: &mut Staging) -> usize {
 }
 
 impl Pair {
+    /// Starts the whole of `req` as one post (epoch 1), as the driver does for a request
+    /// whose chunks all fit.
+    fn start(&mut self, req: &Arc<Request>) -> super::super::Start {
+        let mut marks = Default::default();
+        self.ti.start(&mut self.init.cx(), Post { req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks })
+    }
+
+    /// `passes` passes of our side alone, 50 us apart: nothing is carried to the owner.
+    fn advance_alone(&mut self, passes: usize) {
+        for _ in 0..passes {
+            self.ti.advance(&mut self.init.cx());
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+
     /// Drives `req` to its end: started chunk by chunk as the driver would, stage
     /// requests and answers carried between the two. Returns the pieces.
     fn run(&mut self, req: &Arc<Request>) -> Vec<super::super::Piece> {
@@ -593,13 +608,9 @@ fn packed_gone_child() {
     let (_obuf, om, _odev, _op) = device(&p.owner, span as usize);
     let remote = remote_desc(&p, om.base, om.len, true);
     let req = planned(&p, Op::Write, &bl, &im, &remote);
-    let mut marks = Default::default();
-    let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
+    let s = p.start(&req);
     assert!(s.pieces > 1);
-    for _ in 0..50 {
-        p.ti.advance(&mut p.init.cx());
-        std::thread::sleep(std::time::Duration::from_micros(50));
-    }
+    p.advance_alone(50);
     // The stage requests went out; the owner never answers (it is gone).
     assert!(!p.init.out.is_empty());
     p.init.out.clear();
@@ -616,11 +627,8 @@ fn packed_gone_child() {
     let tr = remote_desc(&p, theirs.as_mut_ptr() as u64, span, false);
     let req = planned(&p, Op::Write, &bl[..3], &im, &tr);
     p.init.fakes.iter().for_each(|f| f.disorder(false, 1_000_000));
-    let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
-    for _ in 0..50 {
-        p.ti.advance(&mut p.init.cx());
-        std::thread::sleep(std::time::Duration::from_micros(50));
-    }
+    let s = p.start(&req);
+    p.advance_alone(50);
     p.ti.drop_peer(&mut p.init.cx(), 1, 1001);
     assert!(p.init.pieces().is_empty(), "no chunk ends while its RMA is with the provider");
     assert!(!p.ti.idle());
@@ -640,7 +648,7 @@ fn packed_gone_child() {
     p.peer = p.init.peer_lending(2, Locality::Remote, p.owner.core.engine_id);
     let lremote = remote_desc(&p, om.base, om.len, true);
     let req = planned(&p, Op::Read, &bl, &im, &lremote);
-    let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
+    let s = p.start(&req);
     assert!(s.pieces > 1);
     deliver(&mut p.init, &mut p.owner, &mut p.to);
     let mut lent = Vec::new();
@@ -706,8 +714,7 @@ fn packed_noctx_child() {
     let (_obuf, om, _odev, _op) = device(&p.owner, span as usize);
     let remote = remote_desc(&p, om.base, om.len, true);
     let req = planned(&p, Op::Write, &bl, &im, &remote);
-    let mut marks = Default::default();
-    let s = p.ti.start(&mut p.init.cx(), Post { req: &req, epoch: 1, at: 0, notif: &mut None, marks: &mut marks });
+    let s = p.start(&req);
     let mut pieces = p.init.pieces();
     for _ in 0..50 {
         p.ti.advance(&mut p.init.cx());
