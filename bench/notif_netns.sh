@@ -9,8 +9,12 @@
 # stand-in of tests/versions (no device: DRAM only). Needs root (unshare -n); without it, ours
 # and UCX run on lo alone.
 #   bench/notif_netns.sh [notif_latency.py options]     e.g. --iters 1000 --out FILE.json
+# On a host that has its own libcuda and libcudart (the GPU host: run-gpu.sh's stocknotif), set
+# STOCK_LD_PATH to the folders of libfabric main and libcudart and nothing is fetched or built;
+# NOTIF_IP names an `ip` to use where the host has none (the tools' iproute.tar.xz).
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)   # beside notif_latency.py (bench/, or the GPU bundle)
+ROOT=$(dirname "$HERE")
 BUILD=$ROOT/build/stock
 PY=${PY:-$ROOT/.venv/bin/python}
 LFMAIN=${LFMAIN:-$ROOT/../shared/tools/lfmain.tar.xz}
@@ -19,7 +23,9 @@ STOCK=${NOTIF_STOCK_CONFIGS-stock-libfabric-noprog,stock-libfabric}  # set empty
 
 if [ "${NOTIF_IN_NS:-}" != 1 ]; then
   mkdir -p "$BUILD"
-  if [ -f "$LFMAIN" ]; then
+  if [ -n "${STOCK_LD_PATH:-}" ]; then
+    [ -z "$STOCK" ] || CONFIGS=$STOCK,$CONFIGS
+  elif [ -f "$LFMAIN" ]; then
     [ -f "$BUILD/lfmain/lib/libfabric.so.1" ] || tar -C "$BUILD" -xf "$LFMAIN"
     CUDART=$BUILD/cudart/nvidia/cuda_runtime/lib
     if [ ! -f "$CUDART/libcudart.so.12" ]; then
@@ -37,16 +43,17 @@ if [ "${NOTIF_IN_NS:-}" != 1 ]; then
   if ! unshare -n true 2>/dev/null; then
     # Not root (or no user namespaces): ours and UCX on lo only.
     echo "notif_netns: cannot make a network namespace here; ours and UCX on lo, without the stock plugin" >&2
-    exec "$PY" "$ROOT/bench/notif_latency.py" --configs "${CONFIGS#"$STOCK",}" "$@"
+    exec "$PY" "$HERE/notif_latency.py" --configs "${CONFIGS#"$STOCK",}" "$@"
   fi
   exec unshare -n env NOTIF_IN_NS=1 NOTIF_CONFIGS="$CONFIGS" "$0" "$@"
 fi
 
-ip link set lo up
-ip link add v0 type veth peer name v1
-ip addr add 127.0.0.2/32 dev v0
-ip link set v0 up
-ip link set v1 up
+ipc() { ${NOTIF_IP:-ip} "$@"; }
+ipc link set lo up
+ipc link add v0 type veth peer name v1
+ipc addr add 127.0.0.2/32 dev v0
+ipc link set v0 up
+ipc link set v1 up
 # tcp skips an interface without carrier
-for _ in $(seq 100); do ip -br link | grep -q '^v0@.* UP ' && break; sleep 0.05; done
-NOTIF_IFACE=v0 exec "$PY" "$ROOT/bench/notif_latency.py" --configs "$NOTIF_CONFIGS" "$@"
+for _ in $(seq 100); do ipc -br link | grep -q '^v0@.* UP ' && break; sleep 0.05; done
+NOTIF_IFACE=v0 exec "$PY" "$HERE/notif_latency.py" --configs "$NOTIF_CONFIGS" "$@"

@@ -45,6 +45,9 @@ gpu-bundle: build $(GPU_HARNESS)
 	cp tests/gpu/*.py tests/gpu/*.sh $(GPU_BUNDLE)/
 	cp bench/bench.py $(GPU_BUNDLE)/bench.py
 	cp bench/kvcommon.py bench/descs.py bench/vllm_kv.py bench/notif_latency.py bench/lat_small.py bench/create_loop.py $(GPU_BUNDLE)/
+	cp bench/notif_netns.sh $(GPU_BUNDLE)/
+	@# libfabric main and an `ip` for the stock LIBFABRIC plugin's runs (RUN_GPU_ONLY=stocknotif)
+	for t in lfmain iproute; do test ! -f ../shared/tools/$$t.tar.xz || cp ../shared/tools/$$t.tar.xz $(GPU_BUNDLE)/; done
 	git -C $(ROOT) rev-parse HEAD > $(GPU_BUNDLE)/GIT_REV 2>/dev/null || true
 	test -f $(GPU_BUNDLE)/nixl-cu13.tar.xz || bash ../shared/tools/nixl-runtime.sh $(GPU_BUNDLE)/nixl-cu13.tar.xz 3.12 1.5.1 nixl-cu13
 	test -n "$$(ls $(GPU_BUNDLE)/numpy-*.whl 2>/dev/null)" || python3 -m pip download -q --no-deps --only-binary=:all: \

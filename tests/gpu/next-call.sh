@@ -40,6 +40,10 @@
 # g (f again for the H200, where the issues ask for it: three staging runs in a row, since the
 #    first run after a machine starts was the one that missed 0.8x on the H100, UCX after them;
 #    the vLLM pattern with UCX).
+# h (#23's tcp small transfers against the stock LIBFABRIC plugin on the 16-core host, which
+#    this VM's two cores could not settle: RUN_GPU_ONLY=stocknotif, a namespace with a veth,
+#    libfabric main for the stock plugin, six alternating rounds of ours, the stock plugin and
+#    UCX tcp, progress threads off).
 # Everything goes into $OUT/next-call-<a|b|c|d>.tar.xz (each section's results under its own
 # name) and the summaries to stdout.
 set -u
@@ -108,6 +112,9 @@ g)
   P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
   run staging-auto 300 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4 0:4 0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
   run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
+  ;;
+h)
+  run stocknotif 260 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=240 NOTIF_ROUNDS=6 NOTIF_ITERS=5000
   ;;
 esac
 tar -C "$W" -cJf "$OUT/next-call-${1:-a}.tar.xz" .

@@ -41,14 +41,18 @@
 #                                             between hosts as UCX moves it over tcp
 #   RUN_GPU_ONLY=notif bash .gpu/run-gpu.sh   small transfers over tcp on lo (notif_latency.py):
 #                                             NOTIF_CONFIGS, NOTIF_ITERS, NOTIF_BUDGET (200 s)
+#   RUN_GPU_ONLY=stocknotif bash .gpu/run-gpu.sh  the same in a network namespace of its own
+#                                             (notif_netns.sh, root) with the wheel's stock
+#                                             LIBFABRIC plugin beside ours and UCX, rounds
+#                                             alternating: NOTIF_ROUNDS, NOTIF_ITERS, NOTIF_BUDGET
 #   RUN_GPU_ONLY=latsmall bash .gpu/run-gpu.sh  same-host DRAM small-transfer latency, ours
 #                                             (default config) vs UCX, progress off and on
 #                                             (lat_small.py): LATSMALL_SIZES, LATSMALL_N
 #   RUN_GPU_ONLY=hmem bash .gpu/run-gpu.sh    FI_HMEM between two processes on the CUDA-enabled
 #                                             libfabric 2.x (shm, tcp where listed): VRAM vs DRAM
 #                                             over the same provider; HMEM_PROVIDERS, HMEM_ONLY
-#   vllm, descs, staging, notif, latsmall and hmem run only when named in RUN_GPU_ONLY (benchmarks,
-#   not part of a full run).
+#   vllm, descs, staging, notif, stocknotif, latsmall and hmem run only when named in
+#   RUN_GPU_ONLY (benchmarks, not part of a full run).
 # Results of the ipc, vmm and dram sections (JSON, PNG, logs) go to $OUT when it is set, else
 # to the bundle (dram: $OUT/dram, vllm: $OUT/vllm, descs: $OUT/descs).
 set -u
@@ -321,6 +325,24 @@ if named notif && [ -f "$B/notif_latency.py" ]; then
     --configs ${NOTIF_CONFIGS:-ours-tcp-noprog,ucx-tcp-noprog,ours-tcp} --iters ${NOTIF_ITERS:-1000} \
     --plugin-dir "$B/plugins" --logs "$R/logs" --out "$R/notif-gpu-host.json" > "$R/notif.log" 2>&1 || rc=1
   tail -12 "$R/notif.log"
+fi
+if named stocknotif && [ -f "$B/notif_netns.sh" ] && [ -f "$B/lfmain.tar.xz" ]; then
+  section "small transfers over tcp in a namespace (notif_netns.sh): ours vs the stock LIBFABRIC plugin and UCX tcp"
+  nixl_runtime
+  R=${OUT:-$B}/stocknotif; mkdir -p "$R/logs"
+  S=/tmp/stockrt; mkdir -p "$S"
+  [ -f "$S/lfmain/lib/libfabric.so.1" ] || tar -C "$S" -xJf "$B/lfmain.tar.xz"
+  [ -x "$S/iproute/ip" ] || tar -C "$S" -xJf "$B/iproute.tar.xz"
+  # the wheel's stock plugin (nixl-cu13) links libcudart.so.13: the host's CUDA toolkit has it
+  CUDART=$( (ldconfig -p | sed -n 's/.*libcudart\.so\.13 .*=> //p'; find /usr /opt -name 'libcudart.so.13' 2>/dev/null) | head -1)
+  echo "libcudart: ${CUDART:-none}; id: $(id -u)"
+  if command -v ip > /dev/null; then IPX=ip; else IPX="env LD_LIBRARY_PATH=$S/iproute/lib $S/iproute/ip"; fi
+  env -u NIXL_PLUGIN_DIR PY=python3 NOTIF_IP="$IPX" NOTIF_UCX_TLS=tcp,cuda_copy,self \
+    STOCK_LD_PATH="$S/lfmain/lib:$(dirname "${CUDART:-/nonexistent/x}")" \
+    NOTIF_BASE_CONFIGS=${STOCKNOTIF_CONFIGS:-ours-tcp-noprog,ucx-tcp-noprog} NOTIF_STOCK_CONFIGS=stock-libfabric-noprog \
+    timeout -k 10 ${NOTIF_BUDGET:-200} bash "$B/notif_netns.sh" --iters ${NOTIF_ITERS:-5000} --rounds ${NOTIF_ROUNDS:-6} \
+    --sizes 4096,65536 --plugin-dir "$B/plugins" --logs "$R/logs" --out "$R/notif-netns-gpu-host.json" > "$R/notif.log" 2>&1 || rc=1
+  tail -25 "$R/notif.log"
 fi
 if named latsmall && [ -f "$B/lat_small.py" ]; then
   section "same-host DRAM, one small transfer at a time (lat_small.py): ours (default config) vs UCX, progress off and on"
