@@ -99,6 +99,8 @@ tunables! {
         "the smallest piece of a same-host copy handed to a copy thread: a request smaller than this times (copy threads + 1) is one process_vm_writev/readv on the posting thread (1 MiB with seven threads; with fewer than three threads at least 1 MiB), a larger one is cut into a piece per thread and one for the posting thread, which also copies what no thread has taken yet (4 KiB .. 64 MiB)";
     vram_registration: String = Str, "auto", "NIXL_FABRIC_VRAM_REGISTRATION",
         "how GPU memory is registered with a provider that offers FI_HMEM: auto tries a dma-buf registration (libfabric >= 1.20 and a driver that exports dma-bufs), then plain FI_HMEM, then falls back to packed staging; dmabuf or hmem take only that kind (a registration the provider refuses fails: to pin a path in tests); staged always stages";
+    hmem_owner_rma: bool = Bool, "true", "NIXL_FABRIC_HMEM_OWNER_RMA",
+        "where the provider moves host memory into or out of a peer's provider-registered GPU memory (FI_HMEM) through host bounce buffers (shm: its CUDA IPC path needs device memory on the posting side), our host memory with a peer's such GPU memory goes as stage requests that the GPU memory's owner serves with its own RMA, its device memory the local side and no bounce slot (H200, libfabric 2.1's shm, 64 MiB: RMA posted from the GPU side moved 8.5-11.9 GB/s, from the host side 2.1); false: plain RMA from our side as for any registered memory";
     staging_buffer_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_BUFFER_SIZE",
         "pinned host bounce memory per engine for GPU memory the provider cannot register (no FI_HMEM); 0 = sized from the rails: staging_depth chunks in flight on every rail for our requests and as many for serving peers' (at most 512 MiB)";
     staging_chunk_size: u64 = Size, "0", "NIXL_FABRIC_STAGING_CHUNK_SIZE",
@@ -241,6 +243,7 @@ impl Config {
             cma_spin_us: 0,
             cma_min_piece: 0,
             vram_registration: String::new(),
+            hmem_owner_rma: true,
             staging_buffer_size: 0,
             staging_chunk_size: 0,
             staging_depth: 0,

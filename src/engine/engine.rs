@@ -171,6 +171,7 @@ impl Engine {
             provider: r.caps.prov_name.clone(),
             order_saw: r.caps.order_saw,
             nic_shared: nic_shared(i, count, domains),
+            hmem_host_bounce: r.caps.hmem_host_bounce,
         }).collect();
         let closeq = SharedCloseQueue::default();
         let threaded = cfg.progress_thread;

@@ -45,8 +45,11 @@ pub enum SegKind {
     /// bounce slots (device copy under `ctx`, then RMA; or RMA, then device copy).
     DevToHost { ctx: crate::cuda::Context },
     /// Our host memory <-> the peer's staged device memory: the peer pulls or pushes;
-    /// `self_addr`/`self_key` address our memory as the peer's RMA must name it.
-    HostToDev { self_addr: u64, self_key: u64 },
+    /// `self_addr`/`self_key` address our memory as the peer's RMA must name it. `owner_rma`:
+    /// the peer's device memory is registered with the provider, whose RMA from our host
+    /// memory would bounce (config hmem_owner_rma): the peer posts it from its device memory,
+    /// so a READ asks it to push, never to lend a slot.
+    HostToDev { self_addr: u64, self_key: u64, owner_rma: bool },
     /// Staged device memory on both sides: our bounce slot, and the peer pulls or pushes it.
     DevToDev { ctx: crate::cuda::Context },
     /// Loopback: both sides are our own memory (copied here; through the CUDA driver where

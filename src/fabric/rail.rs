@@ -66,6 +66,11 @@ pub struct RailCaps {
     /// Device memory can be registered by dma-buf (FI_MR_DMABUF): an FI_HMEM rail of a
     /// fabric opened with API 1.20 or later (fi_mr(3)).
     pub dmabuf: bool,
+    /// An FI_HMEM rail that moves host memory into or out of a peer's device memory
+    /// through host bounce buffers when the host memory is the posting side's (shm: its
+    /// CUDA IPC path copies only from or into device memory of the poster), so such RMA is
+    /// better posted by the device memory's owner (config hmem_owner_rma).
+    pub hmem_host_bounce: bool,
     pub threading: u32,
 }
 
@@ -283,6 +288,7 @@ impl Rail {
                 // fails "out of registered range" on the target and never completes).
                 dmabuf: flag(i.caps, sys::FI_HMEM) && spec.api_version >= super::API_VERSION_DMABUF
                     && flag(mr, sys::FI_MR_VIRT_ADDR as u64),
+                hmem_host_bounce: spec.prov_name == "shm" && flag(i.caps, sys::FI_HMEM),
                 threading: d.threading,
             }
         };

@@ -65,7 +65,7 @@ pub(super) fn resolve(inp: &Inputs, reach: &dyn Reach, target: &Target, mems: (&
                 return Ok(Way::SameHost { kind, shift });
             }
             let lstaged = lm.dev.filter(|d| d.staged);
-            let staged = lstaged.is_some() || desc.staged;
+            let staged = lstaged.is_some() || desc.staged || owner_rma(inp, peer, lm, desc);
             if staged && !peer.info.packed_staging {
                 // Its stage requests and ours would not parse at the other end: say so now
                 // instead of letting every chunk wait for an answer until the timeout.
@@ -82,6 +82,16 @@ pub(super) fn resolve(inp: &Inputs, reach: &dyn Reach, target: &Target, mems: (&
             Err(Error::InvalidParam(format!("remote descriptor {i} is our own memory, but the request targets agent '{peer_name}'")))
         }
     }
+}
+
+/// Whether our host memory with a peer's provider-registered device memory goes as stage
+/// requests that the peer serves with RMA from its device memory (config hmem_owner_rma):
+/// the route's rails would move it through the provider's host bounce buffers from our side
+/// (RailShape::hmem_host_bounce), and the peer takes stage requests of our format.
+fn owner_rma(inp: &Inputs, peer: &Peer, lm: &LocalMem, desc: &MemDesc) -> bool {
+    inp.cfg.hmem_owner_rma && lm.dev.is_none() && desc.mem_type == MemKind::Vram as u8 && !desc.staged
+        && peer.info.packed_staging
+        && peer.route.first().and_then(|p| inp.shapes.get(p.rail as usize)).is_some_and(|s| s.hmem_host_bounce)
 }
 
 /// Most descriptors a request that rail0_request or eager_write can pick has (64 KiB in

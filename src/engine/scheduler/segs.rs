@@ -186,7 +186,7 @@ pub(super) fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, fill: &mut ChunkFil
             }
             (None, _) => {
                 let self_addr = if inp.shapes[rail].virt_addr { la + off } else { la - lm.base + off };
-                (SegKind::HostToDev { self_addr, self_key: lm.keys[rail] }, ra + off, 0)
+                (SegKind::HostToDev { self_addr, self_key: lm.keys[rail], owner_rma: !desc.staged }, ra + off, 0)
             }
             (Some(d), true) => (SegKind::DevToDev { ctx: d.ctx }, ra + off, 0),
         };

@@ -31,7 +31,7 @@ impl Reach for Nothing {
 }
 
 fn shapes(n: usize) -> Vec<RailShape> {
-    (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, provider: "tcp".into(), order_saw: false, nic_shared: true }).collect()
+    (0..n).map(|_| RailShape { max_msg: 1 << 20, virt_addr: true, provider: "tcp".into(), order_saw: false, nic_shared: true, hmem_host_bounce: false }).collect()
 }
 
 fn mem(engine: u64, base: u64, len: u64, rails: usize) -> Arc<LocalMem> {

@@ -30,6 +30,9 @@ pub struct RailShape {
     /// as tcp's automatic rails): on rail 0, bulk data may then keep off it (config
     /// rma_rail0) and the interface still carries its share through the others.
     pub nic_shared: bool,
+    /// RMA between our host memory and a peer's FI_HMEM device memory bounces through the
+    /// provider's host buffers (RailCaps::hmem_host_bounce): the owner had better post it.
+    pub hmem_host_bounce: bool,
 }
 
 /// What the scheduler may learn about same-host memory, and the one side effect a route

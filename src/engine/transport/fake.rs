@@ -111,6 +111,7 @@ pub fn caps_ordered(order_raw: bool, order_saw: bool) -> RailCaps {
         needs_context: true,
         hmem: false,
         dmabuf: false,
+        hmem_host_bounce: false,
         threading: 0,
     }
 }

@@ -94,7 +94,7 @@ impl Job {
 fn same_chunk(s: &Seg, t: &Seg) -> bool {
     let kind = match (s.kind, t.kind) {
         (SegKind::DevToHost { ctx: a }, SegKind::DevToHost { ctx: b }) | (SegKind::DevToDev { ctx: a }, SegKind::DevToDev { ctx: b }) => a.id() == b.id(),
-        (SegKind::HostToDev { self_key: a, .. }, SegKind::HostToDev { self_key: b, .. }) => a == b,
+        (SegKind::HostToDev { self_key: a, owner_rma: x, .. }, SegKind::HostToDev { self_key: b, owner_rma: y, .. }) => a == b && x == y,
         _ => false,
     };
     kind && s.rail == t.rail && s.rrail == t.rrail && s.rkey == t.rkey
@@ -111,11 +111,13 @@ pub struct Staging {
     name: String,
     /// Which way staged READs of peers' GPU memory go was logged (once an engine).
     told_read_way: bool,
+    /// The INFO line of the first chunk the owner moves by its RMA (HostToDev owner_rma).
+    told_owner_rma: bool,
 }
 
 impl Staging {
     pub fn new(owner: u8, name: &str) -> Staging {
-        Staging { owner, pool: None, jobs: Slab::default(), serves: Serves::default(), next_key: POOL_KEYS, times: Times::default(), name: name.to_string(), told_read_way: false }
+        Staging { owner, pool: None, jobs: Slab::default(), serves: Serves::default(), next_key: POOL_KEYS, times: Times::default(), name: name.to_string(), told_read_way: false, told_owner_rma: false }
     }
 
     /// Most bytes and blocks of one chunk: a slot (ours, or the owner's, which is sized by
@@ -174,6 +176,9 @@ impl Staging {
     fn first_step(&mut self, cx: &mut Cx, token: u64) -> Result<()> {
         let j = self.jobs.get_mut(token).ok_or_else(|| Error::Backend("job vanished".into()))?;
         let (op, kind, slot) = (j.req.op, j.segs()[0].kind, j.slot);
+        if matches!(kind, SegKind::HostToDev { owner_rma: true, .. }) && !std::mem::replace(&mut self.told_owner_rma, true) {
+            log::info!("{}: our host memory with a peer's provider-registered GPU memory: this provider would bounce it through host buffers from our side, so the peer moves it with RMA from its GPU memory (one stage request per chunk; hmem_owner_rma)", cx.core.name);
+        }
         match (kind, op, slot) {
             (SegKind::DevToHost { ctx }, Op::Write, Some(slot)) | (SegKind::DevToDev { ctx }, Op::Write, Some(slot)) => {
                 let ranges = j.local_ranges();
@@ -182,6 +187,7 @@ impl Staging {
                 self.set_phase(token, Phase::CopyOut(ev));
             }
             (SegKind::DevToHost { .. }, Op::Read, Some(_)) => self.post_rma(cx, token),
+            (SegKind::HostToDev { owner_rma: true, .. }, Op::Read, None) => self.ask(cx, token, StageDir::Push)?,
             (SegKind::DevToDev { .. }, Op::Read, Some(_)) | (SegKind::HostToDev { .. }, Op::Read, None) => {
                 let dir = self.read_way(cx, token);
                 self.ask(cx, token, dir)?

@@ -6,12 +6,15 @@
 //! slot (answer StageLent naming it) until the requester, which RMA-reads it, releases it:
 //! a READ's bytes then cross the rails by RMA read, as a READ of host memory does (the
 //! requester asks it for chunks of several blocks: 12-17 % faster than PUSH for 4-16 KiB
-//! blocks on the H100's tcp rails). The RMA goes over the rail pair the requester chose for
+//! blocks on the H100's tcp rails). Device memory registered with the provider (FI_HMEM)
+//! needs no slot: a PULL or PUSH of it is our RMA straight between it and the requester's
+//! memory, no device copy (see `direct`: asked where the provider's RMA from the requester's
+//! host memory would bounce). The RMA goes over the rail pair the requester chose for
 //! the chunk, so a request's chunks use every rail. Every step that the provider refuses
 //! for now (FI_EAGAIN) is retried as the same step: a PULL's read stays a read. A serve
 //! ends (and answers) only when none of its operations is with the provider any more.
 use super::super::slab::Slab;
-use super::pool::{ensure, rma_ops, Piece, Stager};
+use super::pool::{ensure, post_segs, rma_ops, Piece, Stager};
 use super::timing::{Step, Times};
 use super::super::Cx;
 use crate::cuda;
@@ -20,7 +23,7 @@ use crate::engine::ops::{OpKind, TOp};
 use crate::engine::registry::LocalMem;
 use crate::engine::wire::{CtrlType, Stage, StageDir, StageLent};
 use crate::error::{Error, Result, Status};
-use crate::fabric::{FiAddr, Posted};
+use crate::fabric::{FiAddr, Posted, RmaSeg, MAX_RMA_BATCH};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
@@ -51,7 +54,9 @@ struct Serve {
     rail: usize,
     dest: FiAddr,
     ctx: cuda::Context,
-    slot: u32,
+    /// Our bounce slot; None for a direct serve, whose pieces name our device addresses
+    /// where a slot's name offsets into the slot.
+    slot: Option<u32>,
     phase: Phase,
     rma: Vec<Vec<Piece>>,
     next_op: usize,
@@ -77,6 +82,27 @@ pub struct Serves {
     /// Stage requests waiting for a free slot: (sender engine id, request, arrival).
     pub(super) waiting: VecDeque<(u64, Stage, Instant)>,
     pub(super) times: Times,
+    /// The INFO line of the first direct serve went out.
+    told_direct: bool,
+}
+
+/// Whether the chunk moves by our RMA straight between its device ranges and the
+/// requester's memory: a PULL or PUSH whose every registration the provider holds (FI_HMEM).
+fn direct(st: &Stage, mems: &[Arc<LocalMem>]) -> bool {
+    matches!(st.dir, StageDir::Pull | StageDir::Push) && mems.iter().all(|m| m.dev.is_some_and(|d| !d.staged))
+}
+
+/// A direct serve's RMA operations: (our device address, the requester's address, bytes),
+/// a range merged into the one before where both sides continue it, `batch` a operation.
+fn direct_ops(ranges: &[(u64, u64, u64)], batch: usize) -> Vec<Vec<Piece>> {
+    let mut pieces: Vec<Piece> = Vec::new();
+    for &(dev, raddr, len) in ranges {
+        match pieces.last_mut() {
+            Some(last) if last.0 as u64 + last.2 as u64 == dev && last.1 + last.2 as u64 == raddr => last.2 += len as usize,
+            _ => pieces.push((dev as usize, raddr, len as usize)),
+        }
+    }
+    pieces.chunks(batch.clamp(1, MAX_RMA_BATCH)).map(|c| c.to_vec()).collect()
 }
 
 /// The registrations holding every device range of a request, and their one context; Err
@@ -138,6 +164,12 @@ impl Serves {
                     continue;
                 }
             };
+            if direct(st, &mems) {
+                let Some((_, st, arrived)) = self.waiting.pop_front() else { return };
+                self.times.add(Step::ServeWait, arrived);
+                self.start_direct(cx, pool, owner, sender, st, mems, ctx);
+                continue;
+            }
             let p = match ensure(pool, cx, &ctx, next_key) {
                 Ok(p) => p,
                 Err(e) => {
@@ -166,7 +198,7 @@ impl Serves {
             // (A LEND makes no RMA of ours: the requester reads the slot.)
             let rma = if st.dir == StageDir::Lend { Vec::new() } else { rma_ops(st.ranges.iter().map(|r| (r.1, r.2 as usize)), batch) };
             let now = Instant::now();
-            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: now, stamp: now };
+            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot: Some(slot), phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: now, stamp: now };
             let phase = match s.stage.dir {
                 StageDir::Pull => Ok(Phase::Rma),
                 StageDir::Push | StageDir::Lend => p.copy(cx.core, ctx, slot, &s.dev_ranges(), true).map(Phase::CopyOut),
@@ -186,6 +218,28 @@ impl Serves {
         }
     }
 
+    /// Starts a direct serve (see `direct`): its RMA at once, no slot, no device copy.
+    #[allow(clippy::too_many_arguments)]
+    fn start_direct(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, owner: u8, sender: u64, st: Stage, mems: Vec<Arc<LocalMem>>, ctx: cuda::Context) {
+        let (token, rail) = (st.token, st.rrail as usize);
+        let Some(port) = cx.rails.get(rail) else {
+            return Self::refuse(cx, sender, token, &format!("a chunk on rail {rail} (we have {} rails)", cx.rails.len()));
+        };
+        let batch = port.caps().rma_batch.min(cx.core.cfg.rma_batch.max(1) as usize);
+        let Some(dest) = cx.conns.initiator_rail_addr(sender, &*cx.rails[rail], st.rail as usize, &cx.core.name) else {
+            return Self::refuse(cx, sender, token, &format!("its sender's rail {} cannot be reached from our rail {rail}", st.rail));
+        };
+        add(&cx.core.counters.stage_served, 1);
+        if !std::mem::replace(&mut self.told_direct, true) {
+            log::info!("{}: a peer asks us to move its host memory into or out of our provider-registered GPU memory: our RMA goes straight between them (no bounce slot, no device copy)", cx.core.name);
+        }
+        let rma = direct_ops(&st.ranges, batch);
+        let now = Instant::now();
+        let s = Serve { stage: st, sender, rail, dest, ctx, slot: None, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: now, stamp: now };
+        let id = self.items.insert(s);
+        self.post_due(cx, pool, owner, id);
+    }
+
     /// Posts the serve's due RMA operations; FI_EAGAIN leaves them due (the same ones).
     fn post_due(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, owner: u8, id: u64) {
         let Some(s) = self.items.get_mut(id) else { return };
@@ -194,13 +248,19 @@ impl Serves {
         }
         let write = s.stage.dir == StageDir::Push;
         let res = (|| -> Result<()> {
-            let p = pool.as_ref().ok_or_else(|| Error::Backend("no staging pool".into()))?;
             let port = cx.rails.get(s.rail).ok_or_else(|| Error::Backend(format!("no rail {}", s.rail)))?;
             while s.next_op < s.rma.len() {
                 let pieces = &s.rma[s.next_op];
                 let len: usize = pieces.iter().map(|p| p.2).sum();
                 let op = OpKind::Transport(TOp { owner, tag: SERVE_RMA, rail: s.rail as u16, slot: false, inline: false, req: None, epoch: 0, token: id, len: len as u64 });
-                match p.post(&**port, cx.core, cx.ops, op, s.slot, write, s.dest, pieces, s.stage.peer_key)? {
+                let posted = match s.slot {
+                    Some(slot) => {
+                        let p = pool.as_ref().ok_or_else(|| Error::Backend("no staging pool".into()))?;
+                        p.post(&**port, cx.core, cx.ops, op, slot, write, s.dest, pieces, s.stage.peer_key)?
+                    }
+                    None => post_direct(&**port, cx.core, cx.ops, op, write, s.dest, pieces, s.stage.peer_key, &s._mems)?,
+                };
+                match posted {
                     Posted::Ok => {
                         s.next_op += 1;
                         s.left += 1;
@@ -240,11 +300,12 @@ impl Serves {
         }
         self.times.add(Step::ServeRma, s.stamp);
         s.stamp = Instant::now();
+        let Some(slot) = s.slot else { return self.end(cx, pool, id, Ok(())) };
         match s.stage.dir {
             StageDir::Push | StageDir::Lend => self.end(cx, pool, id, Ok(())),
             StageDir::Pull => {
                 let ranges = s.dev_ranges();
-                match pool.as_mut().map(|p| p.copy(cx.core, s.ctx, s.slot, &ranges, false)) {
+                match pool.as_mut().map(|p| p.copy(cx.core, s.ctx, slot, &ranges, false)) {
                     Some(Ok(ev)) => s.phase = Phase::CopyIn(ev),
                     Some(Err(e)) => self.end(cx, pool, id, Err(e)),
                     None => self.end(cx, pool, id, Err(Error::Backend("no staging pool".into()))),
@@ -308,7 +369,7 @@ impl Serves {
     fn lend(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, id: u64) {
         let Some(s) = self.items.get_mut(id) else { return };
         let virt = cx.rails.get(s.rail).is_some_and(|r| r.caps().virt_addr);
-        let target = pool.as_ref().ok_or_else(|| Error::Backend("no staging pool".into())).and_then(|p| p.rma_target(s.slot, s.rail, virt));
+        let target = pool.as_ref().zip(s.slot).ok_or_else(|| Error::Backend("no staging slot".into())).and_then(|(p, slot)| p.rma_target(slot, s.rail, virt));
         match (target, cx.initiator_addr(s.sender)) {
             (Ok((addr, key)), Some(dest)) => {
                 s.phase = Phase::Lent;
@@ -355,8 +416,8 @@ impl Serves {
 
     fn end(&mut self, cx: &mut Cx, pool: &mut Option<Stager>, id: u64, res: Result<()>) {
         let Some(s) = self.items.remove(id) else { return };
-        if let Some(p) = pool.as_mut() {
-            p.give(s.slot, false);
+        if let (Some(p), Some(slot)) = (pool.as_mut(), s.slot) {
+            p.give(slot, false);
         }
         self.times.add(Step::ServeTotal, s.born);
         // (A lent slot was answered when it was lent.)
@@ -376,4 +437,27 @@ impl Serves {
         };
         Self::answer(cx, s.sender, s.stage.token, status);
     }
+}
+
+/// Posts one RMA operation of a direct serve: `pieces` name our device addresses, each
+/// inside one of `mems` (the serve's registrations, which the provider holds on `rail`).
+#[allow(clippy::too_many_arguments)]
+fn post_direct(rail: &dyn crate::engine::port::Port, core: &crate::engine::core::Core, ops: &mut crate::engine::ops::OpPool, op: OpKind, write: bool,
+               dest: FiAddr, pieces: &[Piece], rkey: u64, mems: &[Arc<LocalMem>]) -> Result<Posted> {
+    if pieces.is_empty() || pieces.len() > MAX_RMA_BATCH {
+        return Err(Error::Backend("a direct serve's RMA of no or too many pieces".into()));
+    }
+    let mut segs = [RmaSeg { local: std::ptr::null_mut(), len: 0, desc: std::ptr::null_mut(), raddr: 0, rkey }; MAX_RMA_BATCH];
+    for (seg, &(local, raddr, len)) in segs.iter_mut().zip(pieces) {
+        let m = mems.iter().find(|m| local as u64 >= m.base && (local + len) as u64 <= m.base + m.len && m.dev.is_some_and(|d| !d.staged) && rail.index() < m.descs.len())
+            .ok_or_else(|| Error::Backend(format!("[{local:#x}, +{len}) is in no registration the provider holds on rail {}", rail.index())))?;
+        seg.local = local as *mut u8;
+        seg.len = len;
+        seg.desc = m.desc(rail.index());
+        seg.raddr = raddr;
+    }
+    // SAFETY: every piece lies inside a registration of ours that the provider holds on this
+    // rail (checked above, its descriptor taken from it); the serve keeps those registrations
+    // until its operations completed or were taken back unposted.
+    unsafe { post_segs(rail, core, ops, op, write, dest, &segs[..pieces.len()]) }
 }

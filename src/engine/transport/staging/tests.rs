@@ -194,7 +194,7 @@ fn staged_jobs_child() {
     // A peer that never answers a stage request (HostToDev: the peer stages): its
     // chunks end when it is dropped, with their slots back.
     let host = pattern(2 * CHUNK, 1);
-    let segs = (0..2).map(|i| Seg { local: host.as_ptr() as u64 + (i * CHUNK) as u64, len: CHUNK as u64, raddr: 0x1000 + (i * CHUNK) as u64, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::HostToDev { self_addr: host.as_ptr() as u64 + (i * CHUNK) as u64, self_key: 1 } }).collect();
+    let segs = (0..2).map(|i| Seg { local: host.as_ptr() as u64 + (i * CHUNK) as u64, len: CHUNK as u64, raddr: 0x1000 + (i * CHUNK) as u64, rkey: 0, desc: 0, rail: 0, rrail: 0, kind: SegKind::HostToDev { self_addr: host.as_ptr() as u64 + (i * CHUNK) as u64, self_key: 1, owner_rma: false } }).collect();
     let req = request(Op::Write, &peer, segs);
     let run = b.run(&mut t, &req, 5);
     assert!(run.pieces.is_empty(), "waiting for the peer");
@@ -336,8 +336,16 @@ fn blocks(n: usize) -> (Vec<(u64, u64, u64)>, u64) {
 /// Plans `op` over `blocks` between `local` and the peer's registration `remote` the
 /// way the engine does (scheduler::plan), and returns the request.
 fn planned(p: &Pair, op: Op, blocks: &[(u64, u64, u64)], local: &Arc<LocalMem>, remote: &Arc<crate::engine::remote::RemoteMem>) -> Arc<Request> {
+    planned_on(p, op, blocks, local, remote, false, true)
+}
+
+/// As `planned`, on rails that do or do not bounce RMA from host memory into a peer's
+/// FI_HMEM device memory (RailShape::hmem_host_bounce, shm's), with config hmem_owner_rma
+/// `owner_rma`.
+fn planned_on(p: &Pair, op: Op, blocks: &[(u64, u64, u64)], local: &Arc<LocalMem>, remote: &Arc<crate::engine::remote::RemoteMem>,
+              hmem_host_bounce: bool, owner_rma: bool) -> Arc<Request> {
     use crate::engine::scheduler::{plan, Inputs, Pair as DescPair, RailShape};
-    let shapes: Vec<RailShape> = (0..RAILS).map(|_| RailShape { max_msg: 1 << 30, virt_addr: true, provider: "fake".into(), order_saw: false, nic_shared: true }).collect();
+    let shapes: Vec<RailShape> = (0..RAILS).map(|_| RailShape { max_msg: 1 << 30, virt_addr: true, provider: "fake".into(), order_saw: false, nic_shared: true, hmem_host_bounce }).collect();
     let rr = std::sync::atomic::AtomicUsize::new(0);
     let rbase = match &**remote {
         crate::engine::remote::RemoteMem::Peer { desc, .. } => desc.base,
@@ -345,7 +353,8 @@ fn planned(p: &Pair, op: Op, blocks: &[(u64, u64, u64)], local: &Arc<LocalMem>, 
     };
     let pairs: Vec<DescPair> = blocks.iter().map(|&(l, r, n)| DescPair { local: (local.base + l, n, local), remote: (rbase + r, n, remote) }).collect();
     let target = crate::engine::request::Target::Peer(p.peer.clone());
-    let inp = Inputs { engine_id: p.init.core.engine_id, op: crate::engine::request::Op::Write, cfg: &p.init.core.cfg, shapes: &shapes, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1 };
+    let cfg = crate::config::Config { hmem_owner_rma: owner_rma, ..p.init.core.cfg.clone() };
+    let inp = Inputs { engine_id: p.init.core.engine_id, op: crate::engine::request::Op::Write, cfg: &cfg, shapes: &shapes, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1 };
     let pl = plan(&inp, &target, &pairs[..], &Remote).expect("plans");
     Arc::new(Request::new(op, target, pl.segs, Vec::new(), Vec::new(), Vec::new()))
 }
@@ -353,6 +362,27 @@ fn planned(p: &Pair, op: Op, blocks: &[(u64, u64, u64)], local: &Arc<LocalMem>, 
 fn remote_desc(p: &Pair, base: u64, len: u64, staged: bool) -> Arc<crate::engine::remote::RemoteMem> {
     let desc = crate::engine::wire::MemDesc { mem_type: staged as u8, virt_addr: true, staged, engine_id: p.owner.core.engine_id, base, len, dev_id: 0, keys: (0..RAILS as u64).map(|k| 50 + k).collect(), ipc: None };
     Arc::new(crate::engine::remote::RemoteMem::Peer { peer: p.peer.clone(), desc, opened: Mutex::new(Vec::new()) })
+}
+
+/// The peer's device memory registered with the provider (FI_HMEM): not staged, a key on
+/// every rail.
+fn hmem_desc(p: &Pair, base: u64, len: u64) -> Arc<crate::engine::remote::RemoteMem> {
+    let desc = crate::engine::wire::MemDesc { mem_type: MemKind::Vram as u8, virt_addr: true, staged: false, engine_id: p.owner.core.engine_id, base, len, dev_id: 0, keys: (0..RAILS as u64).map(|k| 60 + k).collect(), ipc: None };
+    Arc::new(crate::engine::remote::RemoteMem::Peer { peer: p.peer.clone(), desc, opened: Mutex::new(Vec::new()) })
+}
+
+/// Device memory of `len` bytes registered with the bench's fake rails as FI_HMEM (the
+/// fakes remember its context and fail a post that touches it without that context).
+fn device_hmem(b: &Bench, len: usize) -> (cuda::DeviceBuffer, Arc<LocalMem>, cuda::PrimaryContext) {
+    let p = cuda::Context::primary(0).expect("mock device 0");
+    let buf = cuda::DeviceBuffer::new(&p.context(), len).expect("device memory");
+    let dev = DeviceMem { ctx: p.context(), ordinal: 0, staged: false, managed: false };
+    let hmem = crate::fabric::Hmem { iface: 1, device: 0, device_only: true };
+    // SAFETY: buf outlives the registrations (the LocalMem is dropped first by the caller).
+    let mrs = b.rails.iter().enumerate().map(|(i, r)| unsafe { r.register(buf.addr() as *const u8, len, 900 + i as u64, Some(hmem)) }.expect("fake FI_HMEM registration")).collect();
+    let m = Arc::new(LocalMem::new(b.core.engine_id, buf.addr(), len as u64, MemKind::Vram, 0, b.rails.len(), mrs, SharedCloseQueue::default(), Some(dev), Some(b.core.gpu.clone())));
+    b.core.gpu.add(&m, dev.ctx);
+    (buf, m, p)
 }
 
 fn host_mem(b: &Bench, bytes: &mut [u8]) -> Arc<LocalMem> {
@@ -732,4 +762,91 @@ fn packed_noctx_child() {
     assert_eq!(a.len(), 1);
     assert_ne!(a[0].status, 0, "the owner's scatter without the context fails");
     assert!(p.to.idle());
+}
+
+#[test]
+fn host_memory_with_a_peers_hmem_gpu_memory_on_a_bouncing_provider_is_moved_by_the_owner() {
+    in_mock_cuda("hmem-owner", "engine::transport::staging::tests::hmem_owner_child");
+}
+
+/// Our host memory with a peer's FI_HMEM device memory over rails whose RMA from host
+/// memory would bounce (shm's): planned as stage requests, which the owner serves with RMA
+/// straight between its device memory and ours (a READ of the owner's memory for our WRITE,
+/// a WRITE from it for our READ, also where it lends slots), with no slot and no device
+/// copy on either side, under FI_EAGAIN storms; byte exact for scattered blocks. Rails that
+/// do not bounce, or hmem_owner_rma=false, keep plain RMA.
+#[test]
+#[ignore = "run by host_memory_with_a_peers_hmem_gpu_memory_on_a_bouncing_provider_is_moved_by_the_owner"]
+fn hmem_owner_child() {
+    if !mock_child() {
+        return;
+    }
+    let mut p = pair();
+    let (bl, span) = blocks(60);
+    let total: u64 = bl.iter().map(|b| b.2).sum();
+    let (obuf, om, op) = device_hmem(&p.owner, span as usize);
+    obuf.write(0, &vec![0u8; span as usize]).unwrap();
+    let remote = hmem_desc(&p, om.base, om.len);
+    let mut host = pattern(span as usize, 43);
+    let hm = host_mem(&p.init, &mut host);
+    for f in p.init.fakes.iter().chain(p.owner.fakes.iter()) {
+        f.script(&[Answer::Accept, Answer::Again, Answer::Accept, Answer::Again]);
+        f.storm(2);
+    }
+    let counters = |b: &Bench| b.core.counters.snapshot();
+    let launches = |b: &Bench| { let c = counters(b); c.gpu_kernel_launches + c.gpu_copy_calls };
+    let in_device = |a: &crate::engine::transport::fake::Accepted| a.segs.iter().all(|g| g.0 >= om.base && g.0 + g.1 as u64 <= om.base + om.len);
+    let check = |dst: &[u8], src: &[u8], back: bool, what: &str| {
+        for &(l, r, n) in &bl {
+            let (l, r, n) = (l as usize, r as usize, n as usize);
+            let (got, want) = if back { (&dst[l..l + n], &src[r..r + n]) } else { (&dst[r..r + n], &src[l..l + n]) };
+            assert!(got == want, "{what}: block at local {l:#x} / remote {r:#x} of {n} bytes differs");
+        }
+    };
+
+    // Rails that do not bounce, or the key off: plain RMA, as for any registered memory.
+    for (bounce, key) in [(false, true), (true, false)] {
+        let req = planned_on(&p, Op::Write, &bl, &hm, &remote, bounce, key);
+        assert!(req.segs.iter().all(|s| matches!(s.kind, SegKind::Rma)), "{:?}", req.segs[0].kind);
+    }
+
+    // WRITE: the owner reads our host memory into its device memory. Its posts touch that
+    // memory, so they need its context current (the driver's pass applies it): without it
+    // (the seed bug) every chunk fails and the owner is left with nothing.
+    let req = planned_on(&p, Op::Write, &bl, &hm, &remote, true, true);
+    assert!(req.segs.iter().all(|s| matches!(s.kind, SegKind::HostToDev { owner_rma: true, .. })));
+    let pieces = p.run(&req);
+    assert!(pieces.iter().all(|x| x.res.is_err()), "posts without the context current fail");
+    assert!(p.to.idle() && p.ti.idle());
+    op.context().make_current().expect("the owner's context current, as its pass makes it");
+    let (l0, o0) = (launches(&p.init) + launches(&p.owner), counters(&p.owner));
+    let pieces = p.run(&req);
+    assert!(pieces.iter().all(|x| x.res.is_ok()), "{:?}", pieces.iter().find_map(|x| x.res.as_ref().err()));
+    assert_eq!(pieces.iter().map(|x| x.bytes).sum::<u64>(), total);
+    let mut landed = vec![0u8; span as usize];
+    obuf.read(0, &mut landed).unwrap();
+    check(&landed, &host, false, "DRAM->HMEM VRAM WRITE");
+    assert_eq!(counters(&p.owner).stage_served - o0.stage_served, chunk_count(&p, &req) as u64, "one serve per chunk");
+    assert_eq!(launches(&p.init) + launches(&p.owner), l0, "no device copy on either side");
+    let owner_ops: Vec<_> = p.owner.fakes.iter().flat_map(|f| f.accepted()).collect();
+    assert!(!owner_ops.is_empty() && owner_ops.iter().all(|a| !a.write && in_device(a)), "the owner's RMA are reads into its device memory");
+    assert!(p.to.pool.is_none() && p.ti.pool.is_none(), "no bounce pool on either side");
+
+    // READ, from an owner that lends slots: it still writes from its device memory to us.
+    let lender = p.init.peer_lending(2, Locality::Remote, p.owner.core.engine_id);
+    p.peer = lender;
+    let remote = hmem_desc(&p, om.base, om.len);
+    let back = pattern(span as usize, 47);
+    obuf.write(0, &back).unwrap();
+    let mut hback = vec![0u8; span as usize];
+    let hbm = host_mem(&p.init, &mut hback);
+    let req = planned_on(&p, Op::Read, &bl, &hbm, &remote, true, true);
+    let before: Vec<usize> = p.owner.fakes.iter().map(|f| f.accepted().len()).collect();
+    let pieces = p.run(&req);
+    assert!(pieces.iter().all(|x| x.res.is_ok()), "{:?}", pieces.iter().find_map(|x| x.res.as_ref().err()));
+    check(&std::hint::black_box(&hback).clone(), &back, true, "DRAM<-HMEM VRAM READ");
+    let owner_ops: Vec<_> = p.owner.fakes.iter().zip(&before).flat_map(|(f, &n)| f.accepted()[n..].to_vec()).collect();
+    assert!(!owner_ops.is_empty() && owner_ops.iter().all(|a| a.write && in_device(a)), "the owner's RMA are writes from its device memory");
+    assert!(p.to.pool.is_none() && p.to.idle() && p.ti.idle(), "nothing lent, nothing left");
+    drop(om);
 }
