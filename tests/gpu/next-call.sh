@@ -40,7 +40,9 @@
 # g (f again for the H200, where the issues ask for it: three staging runs in a row, since the
 #    first run after a machine starts was the one that missed 0.8x on the H100, UCX after them;
 #    the vLLM pattern with UCX).
-# h (#23's tcp small transfers against the stock LIBFABRIC plugin on the 16-core host, which
+# h (#24's FI_HMEM on the CUDA-enabled libfabric 2.1's shm, DRAM->VRAM now moved by the owner's
+#    RMA (hmem_owner_rma), against shm's DRAM rate; then
+#    #23's tcp small transfers against the stock LIBFABRIC plugin on the 16-core host, which
 #    this VM's two cores could not settle: RUN_GPU_ONLY=stocknotif, a namespace with a veth,
 #    libfabric main for the stock plugin, six alternating rounds of ours, the stock plugin and
 #    UCX tcp, progress threads off).
@@ -114,7 +116,9 @@ g)
   run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   ;;
 h)
-  run stocknotif 260 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=240 NOTIF_ROUNDS=6 NOTIF_ITERS=5000
+  run hmem 150 RUN_GPU_ONLY=hmem HMEM_PROVIDERS=shm HMEM_ONLY="VRAM->VRAM 1x64MiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 256x256KiB"
+  grep -h -E "peer moves it|straight between them" "$B"/hmem_shm_*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c
+  run stocknotif 150 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=135 NOTIF_ROUNDS=4 NOTIF_ITERS=4000
   ;;
 esac
 tar -C "$W" -cJf "$OUT/next-call-${1:-a}.tar.xz" .
