@@ -116,7 +116,7 @@ g)
   run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   ;;
 h)
-  run hmem 150 RUN_GPU_ONLY=hmem HMEM_PROVIDERS=shm HMEM_ONLY="VRAM->VRAM 1x64MiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 256x256KiB"
+  run hmem 150 RUN_GPU_ONLY=hmem HMEM_PROVIDERS=shm HMEM_TOTAL_S=55 HMEM_ONLY="VRAM->VRAM 1x64MiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 256x256KiB"
   grep -h -E "peer moves it|straight between them" "$B"/hmem_shm_*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c
   run stocknotif 150 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=135 NOTIF_ROUNDS=4 NOTIF_ITERS=4000
   ;;

@@ -378,7 +378,7 @@ if named hmem && [ -f "$B/libfabric2-cuda.tar.xz" ]; then
       only=${HMEM_ONLY:-"VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB"}
       extra=; [ $kind = dram ] && { extra=--dram-only; only="1x64MiB,1024x16KiB,256x256KiB"; }
       LD_LIBRARY_PATH=$LF NIXL_FABRIC_PROVIDER=$p NIXL_FABRIC_RAILS=1 NIXL_FABRIC_VRAM_REGISTRATION=hmem NIXL_FABRIC_LOG=info \
-        NIXL_PLUGIN_DIR=$B/plugins AGENT_IPC_TOTAL_S=70 timeout 90 python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick \
+        NIXL_PLUGIN_DIR=$B/plugins AGENT_IPC_TOTAL_S=${HMEM_TOTAL_S:-70} timeout $((${HMEM_TOTAL_S:-70} + 20)) python3 "$B/agent_ipc.py" --backend LIBFABRIC --quick \
         $extra --only "$only" --json "$R/hmem_${p}_$kind.json" > "$B/hmem_${p}_$kind.log" 2>&1 || rc=1
     done
     grep -h -m1 -E "GPU memory (is registered|is staged)" "$B/hmem_${p}_hmem.log" | sed 's/^.*\] [a-z0-9-]*: //'
