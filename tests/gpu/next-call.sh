@@ -58,6 +58,8 @@ run() {  # name, seconds, environment...: one run-gpu.sh section, its output kep
   env "$@" OUT="$W/$name" timeout -k 5 "$t" ${PIN:-} bash "$B/run-gpu.sh" > "$W/$name.txt" 2>&1
   echo "exit $?" >> "$W/$name.txt"
   grep -v "NIXL INFO" "$W/$name.txt" | tail -40
+  # each section's results come back on their own, should a later one run past the limit
+  tar -C "$W" -cJf "$OUT/section-$name.tar.xz" "$name.txt" $( [ -d "$W/$name" ] && echo "$name" )
 }
 case "${1:-a}" in
 a)
