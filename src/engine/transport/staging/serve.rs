@@ -93,12 +93,14 @@ fn direct(st: &Stage, mems: &[Arc<LocalMem>]) -> bool {
 }
 
 /// A direct serve's RMA operations: (our device address, the requester's address, bytes),
-/// a range merged into the one before where both sides continue it, `batch` a operation.
-fn direct_ops(ranges: &[(u64, u64, u64)], batch: usize) -> Vec<Vec<Piece>> {
+/// a range merged into the one before where both sides continue it inside the same one of
+/// `mems` (a piece is posted with one registration's descriptor), `batch` a operation.
+fn direct_ops(ranges: &[(u64, u64, u64)], mems: &[Arc<LocalMem>], batch: usize) -> Vec<Vec<Piece>> {
+    let reg = |a: u64| mems.iter().position(|m| a >= m.base && a - m.base < m.len);
     let mut pieces: Vec<Piece> = Vec::new();
     for &(dev, raddr, len) in ranges {
         match pieces.last_mut() {
-            Some(last) if last.0 as u64 + last.2 as u64 == dev && last.1 + last.2 as u64 == raddr => last.2 += len as usize,
+            Some(last) if last.0 as u64 + last.2 as u64 == dev && last.1 + last.2 as u64 == raddr && reg(last.0 as u64) == reg(dev) => last.2 += len as usize,
             _ => pieces.push((dev as usize, raddr, len as usize)),
         }
     }
@@ -233,7 +235,7 @@ impl Serves {
         if !std::mem::replace(&mut self.told_direct, true) {
             log::info!("{}: a peer asks us to move its host memory into or out of our provider-registered GPU memory: our RMA goes straight between them (no bounce slot, no device copy)", cx.core.name);
         }
-        let rma = direct_ops(&st.ranges, batch);
+        let rma = direct_ops(&st.ranges, &mems, batch);
         let now = Instant::now();
         let s = Serve { stage: st, sender, rail, dest, ctx, slot: None, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: now, stamp: now };
         let id = self.items.insert(s);
@@ -460,4 +462,25 @@ fn post_direct(rail: &dyn crate::engine::port::Port, core: &crate::engine::core:
     // rail (checked above, its descriptor taken from it); the serve keeps those registrations
     // until its operations completed or were taken back unposted.
     unsafe { post_segs(rail, core, ops, op, write, dest, &segs[..pieces.len()]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::registry::{MemKind, SharedCloseQueue};
+
+    fn reg(base: u64, len: u64) -> Arc<LocalMem> {
+        Arc::new(LocalMem::new(1, base, len, MemKind::Vram, 0, 1, Vec::new(), SharedCloseQueue::default(), None, None))
+    }
+
+    #[test]
+    fn direct_ops_merge_what_continues_on_both_sides_within_one_registration() {
+        let mems = [reg(0x10000, 0x1000), reg(0x11000, 0x1000)];
+        // Two ranges continuing on both sides in the first registration, then one that
+        // continues both into the second registration (kept apart: another descriptor),
+        // then a gap at the requester.
+        let r = [(0x10000, 0x900000, 0x400), (0x10400, 0x900400, 0x400), (0x10800, 0x900800, 0x800), (0x11000, 0x901000, 0x100), (0x11100, 0x905000, 0x100)];
+        let ops = direct_ops(&r, &mems, 2);
+        assert_eq!(ops, vec![vec![(0x10000, 0x900000, 0x1000), (0x11000, 0x901000, 0x100)], vec![(0x11100, 0x905000, 0x100)]]);
+    }
 }
