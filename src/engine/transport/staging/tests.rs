@@ -848,5 +848,57 @@ fn hmem_owner_child() {
     let owner_ops: Vec<_> = p.owner.fakes.iter().zip(&before).flat_map(|(f, &n)| f.accepted()[n..].to_vec()).collect();
     assert!(!owner_ops.is_empty() && owner_ops.iter().all(|a| a.write && in_device(a)), "the owner's RMA are writes from its device memory");
     assert!(p.to.pool.is_none() && p.to.idle() && p.ti.idle(), "nothing lent, nothing left");
+    // An error completion for one of the owner's operations on every rail, and completions
+    // coming newest first: those chunks fail (the owner answers with the error), the rest
+    // land, and neither side keeps anything.
+    std::hint::black_box(&mut hback).fill(0);
+    p.owner.fakes.iter().for_each(|f| { f.fail_completions(1); f.disorder(true, 1); });
+    let pieces = p.run(&req);
+    let failed = pieces.iter().filter(|x| x.res.is_err()).count();
+    assert!(failed > 0 && failed < pieces.len(), "{failed} of {} chunks failed", pieces.len());
+    assert!(p.to.idle() && p.ti.idle());
     drop(om);
+}
+
+#[test]
+fn direct_serves_of_a_disconnected_requester_end_unanswered() {
+    in_mock_cuda("direct-gone", "engine::transport::staging::tests::direct_gone_child");
+}
+
+/// A requester goes while we serve its chunks of our FI_HMEM memory directly (the provider
+/// refusing every read meanwhile): they end at once, unanswered, with no pool ever made;
+/// another requester's direct serve goes on once the provider takes its read.
+#[test]
+#[ignore = "run by direct_serves_of_a_disconnected_requester_end_unanswered"]
+fn direct_gone_child() {
+    if !mock_child() {
+        return;
+    }
+    let mut b = bench();
+    let (buf, _m, p) = device_hmem(&b, 4 * CHUNK);
+    p.context().make_current().expect("the owner's context current, as its pass makes it");
+    let theirs = pattern(CHUNK, 9);
+    for id in [77, 78] {
+        b.conns.initiators.insert(id, Initiator { name: format!("init{id}"), info: None, addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
+    }
+    let mut t = Staging::new(1, "test");
+    b.fakes[0].refuse_all(true);
+    for k in 0..4u64 {
+        let (who, name) = if k == 0 { (78, "init78") } else { (77, "init77") };
+        let st = Stage { token: 200 + k, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 9, ranges: vec![(buf.addr() + k * CHUNK as u64, theirs.as_ptr() as u64, CHUNK as u64)] };
+        let bytes = encode_ctrl(CtrlType::Stage, who, name, &st.encode());
+        assert!(t.on_control(&mut b.cx(), &wire::decode_ctrl(&bytes).unwrap()));
+    }
+    t.advance(&mut b.cx());
+    assert!(!t.idle() && t.serves.waiting.is_empty(), "direct serves wait for no slot");
+    b.out.clear();
+    t.drop_peer(&mut b.cx(), 2, 77);
+    assert!(acks(&b).is_empty(), "nobody answers a gone requester");
+    b.fakes[0].refuse_all(false);
+    spin(&mut b, &mut t, 200, |b| !acks(b).is_empty());
+    assert_eq!(acks(&b), vec![StageAck { token: 200, status: 0 }]);
+    let mut landed = vec![0u8; CHUNK];
+    buf.read(0, &mut landed).unwrap();
+    assert!(landed == theirs, "78's bytes are in our device memory");
+    assert!(t.idle() && t.pool.is_none(), "nothing left, and no bounce pool");
 }
