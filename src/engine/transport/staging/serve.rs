@@ -64,7 +64,9 @@ struct Serve {
     failed: Option<Error>,
     /// The requester was disconnected: nothing more is posted for it and nobody is answered.
     gone: bool,
-    _mems: Vec<Arc<LocalMem>>,
+    /// The registrations of the device ranges, kept until the serve ends; a direct serve
+    /// posts with their descriptors.
+    mems: Vec<Arc<LocalMem>>,
     /// When the slot was taken, and when the current step began (timing.rs).
     born: Instant,
     stamp: Instant,
@@ -200,7 +202,7 @@ impl Serves {
             // (A LEND makes no RMA of ours: the requester reads the slot.)
             let rma = if st.dir == StageDir::Lend { Vec::new() } else { rma_ops(st.ranges.iter().map(|r| (r.1, r.2 as usize)), batch) };
             let now = Instant::now();
-            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot: Some(slot), phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: now, stamp: now };
+            let mut s = Serve { stage: st, sender, rail, dest, ctx, slot: Some(slot), phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, mems, born: now, stamp: now };
             let phase = match s.stage.dir {
                 StageDir::Pull => Ok(Phase::Rma),
                 StageDir::Push | StageDir::Lend => p.copy(cx.core, ctx, slot, &s.dev_ranges(), true).map(Phase::CopyOut),
@@ -237,7 +239,7 @@ impl Serves {
         }
         let rma = direct_ops(&st.ranges, &mems, batch);
         let now = Instant::now();
-        let s = Serve { stage: st, sender, rail, dest, ctx, slot: None, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, _mems: mems, born: now, stamp: now };
+        let s = Serve { stage: st, sender, rail, dest, ctx, slot: None, phase: Phase::Rma, rma, next_op: 0, left: 0, failed: None, gone: false, mems, born: now, stamp: now };
         let id = self.items.insert(s);
         self.post_due(cx, pool, owner, id);
     }
@@ -260,7 +262,7 @@ impl Serves {
                         let p = pool.as_ref().ok_or_else(|| Error::Backend("no staging pool".into()))?;
                         p.post(&**port, cx.core, cx.ops, op, slot, write, s.dest, pieces, s.stage.peer_key)?
                     }
-                    None => post_direct(&**port, cx.core, cx.ops, op, write, s.dest, pieces, s.stage.peer_key, &s._mems)?,
+                    None => post_direct(&**port, cx.core, cx.ops, op, write, s.dest, pieces, s.stage.peer_key, &s.mems)?,
                 };
                 match posted {
                     Posted::Ok => {
