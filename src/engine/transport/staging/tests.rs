@@ -333,6 +333,22 @@ fn blocks(n: usize) -> (Vec<(u64, u64, u64)>, u64) {
     (out, span + 4096)
 }
 
+/// Every block of `bl` (local offset, remote offset, length) moved: from `src` at its local
+/// offset to `dst` at its remote one, or back (`back`: a READ, remote to local). Panics
+/// naming the first bad block, how many differ, and where its bytes went.
+fn expect_blocks(bl: &[(u64, u64, u64)], dst: &[u8], src: &[u8], back: bool, what: &str) {
+    for &(l, r, n) in bl {
+        let (l, r, n) = (l as usize, r as usize, n as usize);
+        let (got, want) = if back { (&dst[l..l + n], &src[r..r + n]) } else { (&dst[r..r + n], &src[l..l + n]) };
+        if got != want {
+            let bad = bl.iter().filter(|&&(l, r, n)| { let (l, r, n) = (l as usize, r as usize, n as usize); if back { dst[l..l + n] != src[r..r + n] } else { dst[r..r + n] != src[l..l + n] } }).count();
+            let zero = got.iter().all(|&b| b == 0);
+            let pos = (got.iter().zip(want).position(|(a, b)| a != b), src.windows(32).position(|w| w == &got[..32]), dst.windows(32).position(|w| w == &want[..32]));
+            panic!("{what}: block at local {l:#x} / remote {r:#x} of {n} bytes; {bad} of {} blocks differ; all zero: {zero}; first difference at {pos:?}", bl.len());
+        }
+    }
+}
+
 /// Plans `op` over `blocks` between `local` and the peer's registration `remote` the
 /// way the engine does (scheduler::plan), and returns the request.
 fn planned(p: &Pair, op: Op, blocks: &[(u64, u64, u64)], local: &Arc<LocalMem>, remote: &Arc<crate::engine::remote::RemoteMem>) -> Arc<Request> {
@@ -437,18 +453,6 @@ fn packed_child() {
         f.storm(2);
     }
     let remote = remote_desc(&p, om.base, om.len, true);
-    let expect = |dst: &[u8], src: &[u8], back: bool, what: &str| {
-        for &(l, r, n) in &bl {
-            let (l, r, n) = (l as usize, r as usize, n as usize);
-            let (got, want) = if back { (&dst[l..l + n], &src[r..r + n]) } else { (&dst[r..r + n], &src[l..l + n]) };
-            if got != want {
-                let bad = bl.iter().filter(|&&(l, r, n)| { let (l, r, n) = (l as usize, r as usize, n as usize); if back { dst[l..l + n] != src[r..r + n] } else { dst[r..r + n] != src[l..l + n] } }).count();
-                let zero = got.iter().all(|&b| b == 0);
-                let pos = (got.iter().zip(want).position(|(a, b)| a != b), src.windows(32).position(|w| w == &got[..32]), dst.windows(32).position(|w| w == &want[..32]));
-                panic!("{what}: block at local {l:#x} / remote {r:#x} of {n} bytes; {bad} of {} blocks differ; all zero: {zero}; first difference at {pos:?}", bl.len());
-            }
-        }
-    };
     let counters = |b: &Bench| b.core.counters.snapshot();
 
     // VRAM -> VRAM WRITE: gather here, the owner pulls into its slot and scatters.
@@ -463,7 +467,7 @@ fn packed_child() {
     assert_eq!(pieces.iter().map(|x| x.bytes).sum::<u64>(), total);
     let mut landed = vec![0u8; span as usize];
     obuf.read(0, &mut landed).unwrap();
-    expect(&landed, &src, false, "VRAM->VRAM WRITE");
+    expect_blocks(&bl, &landed, &src, false, "VRAM->VRAM WRITE");
     let (i1, o1) = (counters(&p.init), counters(&p.owner));
     assert_eq!(i1.stage_requests - i0.stage_requests, chunks as u64, "one stage request per chunk");
     assert_eq!(o1.stage_served - o0.stage_served, chunks as u64);
@@ -487,7 +491,7 @@ fn packed_child() {
     assert!(pieces.iter().all(|x| x.res.is_ok()));
     let mut got = vec![0u8; span as usize];
     ibuf.read(0, &mut got).unwrap();
-    expect(&got, &back, true, "VRAM<-VRAM READ");
+    expect_blocks(&bl, &got, &back, true, "VRAM<-VRAM READ");
     let (i1, o1) = (counters(&p.init), counters(&p.owner));
     assert_eq!(launches(&i0, &i1), chunks as u64);
     assert_eq!(launches(&o0, &o1), chunks as u64);
@@ -509,7 +513,7 @@ fn packed_child() {
     assert!(pieces.iter().all(|x| x.res.is_ok()), "{:?}", pieces.iter().find_map(|x| x.res.as_ref().err()));
     assert_eq!(pieces.iter().map(|x| x.bytes).sum::<u64>(), total);
     ibuf.read(0, &mut got).unwrap();
-    expect(&got, &back, true, "VRAM<-VRAM READ of lent slots");
+    expect_blocks(&bl, &got, &back, true, "VRAM<-VRAM READ of lent slots");
     let (i1, o1) = (counters(&p.init), counters(&p.owner));
     assert_eq!(launches(&i0, &i1), chunks as u64, "one scatter per chunk here");
     assert_eq!(launches(&o0, &o1), chunks as u64, "one gather per chunk at the owner");
@@ -547,7 +551,7 @@ fn packed_child() {
     let pieces = p.run(&req);
     assert!(pieces.iter().all(|x| x.res.is_ok()));
     obuf.read(0, &mut landed).unwrap();
-    expect(&landed, &host, false, "DRAM->VRAM WRITE");
+    expect_blocks(&bl, &landed, &host, false, "DRAM->VRAM WRITE");
     let (i1, o1) = (counters(&p.init), counters(&p.owner));
     let chunks = chunk_count(&p, &req);
     assert_eq!(i1.stage_requests - i0.stage_requests, chunks as u64);
@@ -559,7 +563,7 @@ fn packed_child() {
     let pieces = p.run(&req);
     assert!(pieces.iter().all(|x| x.res.is_ok()));
     obuf.read(0, &mut landed).unwrap();
-    expect(&std::hint::black_box(&hback).clone(), &landed, true, "DRAM<-VRAM READ");
+    expect_blocks(&bl, &std::hint::black_box(&hback).clone(), &landed, true, "DRAM<-VRAM READ");
 
     // DRAM <- VRAM READ from an owner that lends slots: each lent chunk is read straight
     // into our host memory (no slot of ours, no device copy here), its slot given back.
@@ -574,7 +578,7 @@ fn packed_child() {
     let pieces = p.run(&req);
     assert!(pieces.iter().all(|x| x.res.is_ok()), "{:?}", pieces.iter().find_map(|x| x.res.as_ref().err()));
     assert_eq!(pieces.iter().map(|x| x.bytes).sum::<u64>(), total);
-    expect(&std::hint::black_box(&hback).clone(), &landed, true, "DRAM<-VRAM READ of lent slots");
+    expect_blocks(&bl, &std::hint::black_box(&hback).clone(), &landed, true, "DRAM<-VRAM READ of lent slots");
     let (i1, o1) = (counters(&p.init), counters(&p.owner));
     assert_eq!(launches(&i0, &i1), 0, "no device copy on the host side");
     assert_eq!(launches(&o0, &o1), chunk_count(&p, &req) as u64, "one gather per chunk at the owner");
@@ -600,7 +604,7 @@ fn packed_child() {
     let (o0, i0) = (counters(&p.owner), counters(&p.init));
     let pieces = p.run(&req);
     assert!(pieces.iter().all(|x| x.res.is_ok()));
-    expect(&std::hint::black_box(&theirs).clone(), &src, false, "VRAM->DRAM WRITE");
+    expect_blocks(&bl, &std::hint::black_box(&theirs).clone(), &src, false, "VRAM->DRAM WRITE");
     let chunks = chunk_count(&p, &req);
     let i1 = counters(&p.init);
     assert_eq!(launches(&i0, &i1), chunks as u64);
@@ -610,7 +614,7 @@ fn packed_child() {
     let pieces = p.run(&req);
     assert!(pieces.iter().all(|x| x.res.is_ok()));
     ibuf.read(0, &mut got).unwrap();
-    expect(&got, &theirs, true, "VRAM<-DRAM READ");
+    expect_blocks(&bl, &got, &theirs, true, "VRAM<-DRAM READ");
 
     assert!(p.ti.idle() && p.to.idle());
     for (t, b) in [(&p.ti, &p.init), (&p.to, &p.owner)] {
@@ -796,13 +800,6 @@ fn hmem_owner_child() {
     let counters = |b: &Bench| b.core.counters.snapshot();
     let launches = |b: &Bench| { let c = counters(b); c.gpu_kernel_launches + c.gpu_copy_calls };
     let in_device = |a: &crate::engine::transport::fake::Accepted| a.segs.iter().all(|g| g.0 >= om.base && g.0 + g.1 as u64 <= om.base + om.len);
-    let check = |dst: &[u8], src: &[u8], back: bool, what: &str| {
-        for &(l, r, n) in &bl {
-            let (l, r, n) = (l as usize, r as usize, n as usize);
-            let (got, want) = if back { (&dst[l..l + n], &src[r..r + n]) } else { (&dst[r..r + n], &src[l..l + n]) };
-            assert!(got == want, "{what}: block at local {l:#x} / remote {r:#x} of {n} bytes differs");
-        }
-    };
 
     // Rails that do not bounce, or the key off: plain RMA, as for any registered memory.
     for (bounce, key) in [(false, true), (true, false)] {
@@ -825,7 +822,7 @@ fn hmem_owner_child() {
     assert_eq!(pieces.iter().map(|x| x.bytes).sum::<u64>(), total);
     let mut landed = vec![0u8; span as usize];
     obuf.read(0, &mut landed).unwrap();
-    check(&landed, &host, false, "DRAM->HMEM VRAM WRITE");
+    expect_blocks(&bl, &landed, &host, false, "DRAM->HMEM VRAM WRITE");
     assert_eq!(counters(&p.owner).stage_served - o0.stage_served, chunk_count(&p, &req) as u64, "one serve per chunk");
     assert_eq!(launches(&p.init) + launches(&p.owner), l0, "no device copy on either side");
     let owner_ops: Vec<_> = p.owner.fakes.iter().flat_map(|f| f.accepted()).collect();
@@ -844,7 +841,7 @@ fn hmem_owner_child() {
     let before: Vec<usize> = p.owner.fakes.iter().map(|f| f.accepted().len()).collect();
     let pieces = p.run(&req);
     assert!(pieces.iter().all(|x| x.res.is_ok()), "{:?}", pieces.iter().find_map(|x| x.res.as_ref().err()));
-    check(&std::hint::black_box(&hback).clone(), &back, true, "DRAM<-HMEM VRAM READ");
+    expect_blocks(&bl, &std::hint::black_box(&hback).clone(), &back, true, "DRAM<-HMEM VRAM READ");
     let owner_ops: Vec<_> = p.owner.fakes.iter().zip(&before).flat_map(|(f, &n)| f.accepted()[n..].to_vec()).collect();
     assert!(!owner_ops.is_empty() && owner_ops.iter().all(|a| a.write && in_device(a)), "the owner's RMA are writes from its device memory");
     assert!(p.to.pool.is_none() && p.to.idle() && p.ti.idle(), "nothing lent, nothing left");
