@@ -27,7 +27,7 @@ use crate::engine::ops::{OpKind, TOp};
 use crate::engine::request::{Op, Request, Route, Seg, SegKind};
 use crate::engine::wire::{Ctrl, CtrlType, Stage, StageAck, StageDir, StageLent};
 use crate::error::{Error, Result, Status};
-use crate::fabric::{Posted, RmaSeg};
+use crate::fabric::Posted;
 use super::slab::Slab;
 use pool::{ensure, lent_to_host_ops, rma_ops, Piece, Stager};
 use serve::{Serves, SERVE_RMA};
@@ -303,18 +303,12 @@ impl Staging {
                     None => {
                         // A lent chunk read into our host memory (HostToDev): the pieces
                         // name our addresses, all in the one registration of the chunk.
-                        let mut segs = [RmaSeg { local: std::ptr::null_mut(), len: 0, desc: s.desc as *mut _, raddr: 0, rkey }; crate::fabric::MAX_RMA_BATCH];
-                        for (g, &(local, raddr, len)) in segs.iter_mut().zip(pieces) {
-                            g.local = local as *mut u8;
-                            g.len = len;
-                            g.raddr = raddr;
-                        }
                         // SAFETY: the pieces are the chunk's segments, bounds-checked against
                         // our host registration (registered on this rail as `desc`) when the
                         // request was planned; the request keeps that registration alive and
                         // the caller does not touch its memory until the request completes,
                         // which waits for this operation (or its taking back unposted).
-                        unsafe { pool::post_segs(&**port, cx.core, cx.ops, op, write, dest, &segs[..pieces.len().min(segs.len())]) }?
+                        unsafe { pool::post_local(&**port, cx.core, cx.ops, op, write, dest, pieces, rkey, |_, _| Ok(s.desc as *mut _)) }?
                     }
                 };
                 match posted {

@@ -214,6 +214,28 @@ pub unsafe fn post_segs(rail: &dyn Port, core: &Core, ops: &mut OpPool, op: OpKi
     r
 }
 
+/// Posts one RMA operation of `pieces` that name our own addresses rather than slot
+/// offsets: (our address, peer address, length), all under `rkey`, each with the MR
+/// descriptor `desc` gives for its memory on `rail` (an Err there fails the post).
+///
+/// # Safety
+/// As [`post_segs`]: every piece's memory is registered on this rail as `desc` says and
+/// stays valid, and untouched by anyone else, until the operation completes or is taken
+/// back unposted.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn post_local(rail: &dyn Port, core: &Core, ops: &mut OpPool, op: OpKind, write: bool, dest: FiAddr, pieces: &[Piece], rkey: u64,
+                         mut desc: impl FnMut(usize, usize) -> Result<*mut std::ffi::c_void>) -> Result<Posted> {
+    if pieces.is_empty() || pieces.len() > crate::fabric::MAX_RMA_BATCH {
+        return Err(Error::Backend(format!("an RMA of {} pieces (1 to {})", pieces.len(), crate::fabric::MAX_RMA_BATCH)));
+    }
+    let mut segs = [RmaSeg { local: std::ptr::null_mut(), len: 0, desc: std::ptr::null_mut(), raddr: 0, rkey }; crate::fabric::MAX_RMA_BATCH];
+    for (s, &(local, raddr, len)) in segs.iter_mut().zip(pieces) {
+        *s = RmaSeg { local: local as *mut u8, len, desc: desc(local, len)?, raddr, rkey };
+    }
+    // SAFETY: the caller's contract, with each segment's descriptor from `desc`.
+    unsafe { post_segs(rail, core, ops, op, write, dest, &segs[..pieces.len()]) }
+}
+
 /// The RMA operations of a lent chunk read straight into our registered host memory:
 /// (our address, the owner's address in its slot, length) per piece, the chunk's ranges
 /// packed back to back from `slot_addr` in range order, ranges that continue each other on

@@ -14,7 +14,7 @@
 //! for now (FI_EAGAIN) is retried as the same step: a PULL's read stays a read. A serve
 //! ends (and answers) only when none of its operations is with the provider any more.
 use super::super::slab::Slab;
-use super::pool::{ensure, post_segs, rma_ops, Piece, Stager};
+use super::pool::{ensure, post_local, rma_ops, Piece, Stager};
 use super::timing::{Step, Times};
 use super::super::Cx;
 use crate::cuda;
@@ -23,7 +23,7 @@ use crate::engine::ops::{OpKind, TOp};
 use crate::engine::registry::LocalMem;
 use crate::engine::wire::{CtrlType, Stage, StageDir, StageLent};
 use crate::error::{Error, Result, Status};
-use crate::fabric::{FiAddr, Posted, RmaSeg, MAX_RMA_BATCH};
+use crate::fabric::{FiAddr, Posted, MAX_RMA_BATCH};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
@@ -448,22 +448,16 @@ impl Serves {
 #[allow(clippy::too_many_arguments)]
 fn post_direct(rail: &dyn crate::engine::port::Port, core: &crate::engine::core::Core, ops: &mut crate::engine::ops::OpPool, op: OpKind, write: bool,
                dest: FiAddr, pieces: &[Piece], rkey: u64, mems: &[Arc<LocalMem>]) -> Result<Posted> {
-    if pieces.is_empty() || pieces.len() > MAX_RMA_BATCH {
-        return Err(Error::Backend("a direct serve's RMA of no or too many pieces".into()));
-    }
-    let mut segs = [RmaSeg { local: std::ptr::null_mut(), len: 0, desc: std::ptr::null_mut(), raddr: 0, rkey }; MAX_RMA_BATCH];
-    for (seg, &(local, raddr, len)) in segs.iter_mut().zip(pieces) {
-        let m = mems.iter().find(|m| local as u64 >= m.base && (local + len) as u64 <= m.base + m.len && m.dev.is_some_and(|d| !d.staged) && rail.index() < m.descs.len())
-            .ok_or_else(|| Error::Backend(format!("[{local:#x}, +{len}) is in no registration the provider holds on rail {}", rail.index())))?;
-        seg.local = local as *mut u8;
-        seg.len = len;
-        seg.desc = m.desc(rail.index());
-        seg.raddr = raddr;
-    }
+    let r = rail.index();
+    let desc = |local: usize, len: usize| {
+        mems.iter().find(|m| local as u64 >= m.base && (local + len) as u64 <= m.base + m.len && m.dev.is_some_and(|d| !d.staged) && r < m.descs.len())
+            .map(|m| m.desc(r))
+            .ok_or_else(|| Error::Backend(format!("[{local:#x}, +{len}) is in no registration the provider holds on rail {r}")))
+    };
     // SAFETY: every piece lies inside a registration of ours that the provider holds on this
-    // rail (checked above, its descriptor taken from it); the serve keeps those registrations
-    // until its operations completed or were taken back unposted.
-    unsafe { post_segs(rail, core, ops, op, write, dest, &segs[..pieces.len()]) }
+    // rail (`desc` finds it or fails the post, and gives its descriptor); the serve keeps
+    // those registrations until its operations completed or were taken back unposted.
+    unsafe { post_local(rail, core, ops, op, write, dest, pieces, rkey, desc) }
 }
 
 #[cfg(test)]
