@@ -117,13 +117,12 @@ g)
   run staging-auto 300 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4 0:4 0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
   run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   ;;
-h|i)
-  run hmem 150 RUN_GPU_ONLY=hmem HMEM_PROVIDERS=shm HMEM_TOTAL_S=55 HMEM_ONLY="VRAM->VRAM 1x64MiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 256x256KiB"
-  grep -h -E "peer moves it|straight between them" "$B"/hmem_shm_*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c
+h|i|j)
+  if [ "$1" != j ]; then
+    run hmem 150 RUN_GPU_ONLY=hmem HMEM_PROVIDERS=shm HMEM_TOTAL_S=55 HMEM_ONLY="VRAM->VRAM 1x64MiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 256x256KiB"
+    grep -h -E "peer moves it|straight between them" "$B"/hmem_shm_*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c
+  fi
   [ "$1" = i ] || run stocknotif 150 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=135 NOTIF_ROUNDS=4 NOTIF_ITERS=4000
-  ;;
-j)
-  run stocknotif 150 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=135 NOTIF_ROUNDS=4 NOTIF_ITERS=4000
   ;;
 esac
 tar -C "$W" -cJf "$OUT/next-call-${1:-a}.tar.xz" .
