@@ -77,6 +77,9 @@ CONFIGS = {
     # the defaults a C++ user gets: our progress thread on, the agent's off (as the stock
     # plugin, which always runs a thread of its own, in stock-libfabric-noprog)
     "ours-tcp-thread": ours(BENCH_AGENT_PROG_THREAD="0"),
+    # the same with every pass on our progress thread (callers only read states), as the
+    # stock plugin's thread does
+    "ours-tcp-thread-only": ours(BENCH_AGENT_PROG_THREAD="0", NIXL_FABRIC_CALLER_PROGRESS="false"),
     # ours on the libfabric the stock plugin runs on (STOCK_LD_PATH: libfabric main), to tell
     # the provider's share of a difference from ours
     "ours-tcp-noprog-lfmain": ours(**NOPROG, NIXL_FABRIC_CUDA_LIB="/nonexistent", LD_LIBRARY_PATH="@stock_ld"),
