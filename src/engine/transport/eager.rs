@@ -24,7 +24,9 @@
 //! done-means-delivered (6): the answer still follows the bytes. What it costs: the
 //! initiator's DONE waits for the target's next call into the plugin, as its flush reads'
 //! answers and every tcp transfer to a target without a progress thread already do; the
-//! engine's teardown (its last passes) and our disconnect of the peer send what is owed.
+//! engine's teardown (its last passes) and our disconnect of the peer send what is owed. A
+//! Put of ours that cannot be sent fails its own post and loses the answers it carried: the
+//! peer's posts they answer fail at its timeout, as after a lost PUT_ACK.
 use super::slab::Slab;
 use super::{Cx, Post, Start, Transport};
 use crate::engine::counters::add;
