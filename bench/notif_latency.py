@@ -71,9 +71,6 @@ CONFIGS = {
     # NOPROG, as ucx-tcp-noprog
     "ours-tcp-noprog": ours(**NOPROG),
     "ours-tcp-noprog-before": ours(**NOPROG, NIXL_PLUGIN_DIR="@before"),
-    # the answer to an eager write sent in the call that takes its notification, as before
-    # owe_put_answers (transport/eager.rs)
-    "ours-tcp-noprog-answer-now": ours(**NOPROG, NIXL_FABRIC_OWE_PUT_ANSWERS="false"),
     # the defaults a C++ user gets: our progress thread on, the agent's off (as the stock
     # plugin, which always runs a thread of its own, in stock-libfabric-noprog)
     "ours-tcp-thread": ours(BENCH_AGENT_PROG_THREAD="0"),

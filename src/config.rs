@@ -65,8 +65,6 @@ tunables! {
         "where rail 0 orders a send after writes at both ends (FI_ORDER_SAW: tcp, sockets), a notification whose data all went on rail 0 is sent right behind it, and flush reads right behind the writes on rails the progress thread posts to; off: a notification waits for the flush reads (or delivery-complete writes), and a flush read for its writes' completions";
     eager_write_bytes: u64 = Size, "8192", "NIXL_FABRIC_EAGER_WRITE_BYTES",
         "a WRITE of host memory to a peer's host memory over the network rails of at most this many bytes (all descriptors together, and no more than max_notif_size) goes as one control message carrying its data and its notification, which the target copies in and acknowledges once the bytes are in place: one message each way instead of the writes, the notification and a flush read; 0 turns it off";
-    owe_put_answers: bool = Bool, "true", "NIXL_FABRIC_OWE_PUT_ANSWERS",
-        "with the progress thread off, the answer to an eager write that carried a notification is not sent in the call that takes the notification (over tcp a socket write before getNotifs returns) but rides in our next eager write to that peer, or goes on its own in the next pass of any later call; the initiator's DONE then waits for that call; off: answered at once";
     timeout_ms: u64 = U64, "5000", "NIXL_FABRIC_TIMEOUT_MS",
         "a request with no completion for this long fails with NIXL_ERR_REMOTE_DISCONNECT; also bounds every internal wait";
     plan_at_post: bool = Bool, "true", "NIXL_FABRIC_PLAN_AT_POST",
@@ -228,7 +226,6 @@ impl Config {
             notif_rail0_bytes: 0,
             notif_behind_data: true,
             eager_write_bytes: 0,
-            owe_put_answers: true,
             timeout_ms: 0,
             plan_at_post: true,
             plan_threads: 0,

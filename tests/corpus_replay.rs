@@ -165,7 +165,7 @@ fn rail(p: &str, addr: Vec<u8>) -> RailAddr {
 }
 
 fn conn(engine_id: u64, agent: &str, rails: Vec<RailAddr>) -> ConnInfo {
-    ConnInfo { engine_id, host_id: *b"0123456789abcdef", agent: agent.into(), rails, process: None, rail0_saw: false, packed_staging: false, eager_write: false, lends: false, put_acks: false }
+    ConnInfo { engine_id, host_id: *b"0123456789abcdef", agent: agent.into(), rails, process: None, rail0_saw: false, packed_staging: false, eager_write: false, lends: false }
 }
 
 fn mem(flags: u8, mem_type: u8, base: u64, len: u64, keys: Vec<u64>) -> MemDesc {
@@ -374,18 +374,12 @@ fn generate() -> BTreeMap<&'static str, Vec<(String, Vec<u8>)>> {
     let copy = CopyReq { token: 7, to_receiver: true, ipc: ipc_block(0x7000_0000, 4 << 20), ranges: vec![(0x7000_0000, 0x5555_0000, 4096), (0x7000_2000, 0x5555_2000, 8192)] };
     v.push(("ok-copy".into(), encode_ctrl(CtrlType::Copy, 0xa1, "initiator", &copy.encode())));
     v.push(("ok-copy-ack".into(), encode_ctrl(CtrlType::CopyAck, 0xa2, "target-0", &StageAck { token: 7, status: 0 }.encode())));
-    let put = Put::encode_with(9, Some(b"kv ready"), &[], &tcp1, &[(0x5555_0000, 0x77, 4096), (0x5555_3000, 0x77, 8)], |out| out.fill(0x5a));
+    let put = Put::encode_with(9, Some(b"kv ready"), &tcp1, &[(0x5555_0000, 0x77, 4096), (0x5555_3000, 0x77, 8)], |out| out.fill(0x5a));
     v.push(("ok-put".into(), encode_ctrl(CtrlType::Put, 0xa1, "initiator", &put)));
     v.push(("ok-put-ack".into(), encode_ctrl(CtrlType::PutAck, 0xa2, "target-0", &StageAck { token: 9, status: 0 }.encode())));
     v.push(("bad-put-truncated-data".into(), encode_ctrl(CtrlType::Put, 1, "i", &put[..put.len() - 1])));
-    let wrap = Put::encode_with(1, None, &[], b"", &[(u64::MAX - 2, 0, 8)], |_| {});
+    let wrap = Put::encode_with(1, None, b"", &[(u64::MAX - 2, 0, 8)], |_| {});
     v.push(("bad-put-range-wraps".into(), encode_ctrl(CtrlType::Put, 1, "i", &wrap)));
-    // Answers to the receiver's own Puts riding in one (CONN_FLAG_PUT_ACKS).
-    let acked = Put::encode_with(10, Some(b"kv ready"), &[(9, 0), (8, -1)], b"", &[(0x5555_0000, 0x77, 16)], |out| out.fill(0x5b));
-    v.push(("ok-put-with-answers".into(), encode_ctrl(CtrlType::Put, 0xa1, "initiator", &acked)));
-    let mut no_answers = acked.clone();
-    no_answers[8 + 1 + 4 + 8..8 + 1 + 4 + 8 + 2].copy_from_slice(&0u16.to_le_bytes());
-    v.push(("bad-put-zero-answers".into(), encode_ctrl(CtrlType::Put, 1, "i", &no_answers)));
     let outside = CopyReq { ranges: vec![(0x7000_0000 + (4 << 20) - 8, 0, 16)], ..copy.clone() };
     v.push(("bad-copy-range-outside".into(), encode_ctrl(CtrlType::Copy, 1, "i", &outside.encode())));
     v.push(("bad-copy-no-ranges".into(), encode_ctrl(CtrlType::Copy, 1, "i", &CopyReq { ranges: vec![], ..copy.clone() }.encode())));

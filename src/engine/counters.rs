@@ -19,8 +19,6 @@ counters!(Counters => CounterSnapshot {
     requests_posted, requests_completed, requests_failed, notifs_sent, notifs_received,
     // Notifications sent right behind their data (FI_ORDER_SAW; not in the C struct).
     notifs_ordered,
-    // Answers to a peer's Puts carried in a Put of ours (transport::eager; not in the C struct).
-    acks_carried,
     // Passes that read no rail (Driver::pass_local; not in the C struct).
     local_passes,
     progress_passes, cuda_ctx_applies,

@@ -493,14 +493,6 @@ impl Driver {
 
     pub fn disconnect(&mut self, peer_id: u64) {
         let engine_id = self.conns.peers.get(&peer_id).map(|c| c.peer.info.engine_id);
-        // (A peer that died gets them too: a send to it fails as the rest of its traffic.)
-        if let Some(id) = engine_id {
-            for t in self.transports.iter_mut() {
-                t.peer_leaving(&mut cx!(self), id);
-            }
-            self.apply_outcomes();
-            self.flush_ctrl();
-        }
         // Drain shm's completions while the peer is still in the AV: libfabric's shm unmaps
         // a peer's region in fi_av_remove, and a CQ read after that could still reach it
         // (the C harness crashed in pthread_spin_trylock under fi_cq_read at engine destroy

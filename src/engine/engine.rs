@@ -163,7 +163,7 @@ impl Engine {
             process: Some(token.info()),
             rail0_saw: rails[0].caps.order_saw,
             packed_staging: true,
-            eager_write: true, lends: true, put_acks: true,
+            eager_write: true, lends: true,
         };
         let shapes = rails.iter().enumerate().map(|(i, r)| RailShape {
             max_msg: r.caps.max_msg_size.max(4096),
@@ -434,7 +434,7 @@ impl Engine {
 
     fn own_info(&self) -> ConnInfo {
         // Our own blob always decodes (we encoded it).
-        ConnInfo::decode(&self.core.conn_info).unwrap_or(ConnInfo { engine_id: 0, host_id: [0; 16], agent: String::new(), rails: Vec::new(), process: None, rail0_saw: false, packed_staging: true, eager_write: true, lends: true, put_acks: true })
+        ConnInfo::decode(&self.core.conn_info).unwrap_or(ConnInfo { engine_id: 0, host_id: [0; 16], agent: String::new(), rails: Vec::new(), process: None, rail0_saw: false, packed_staging: true, eager_write: true, lends: true })
     }
 
     fn peer(&self, name: &str) -> Result<Arc<Peer>> {

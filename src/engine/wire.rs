@@ -97,12 +97,8 @@ const CONN_FLAG_EAGER_WRITE: u16 = 8;
 /// Connection-info flag: serves stage requests of direction LEND (it packs a chunk of its
 /// GPU memory into a slot of its own for the requester to RMA-read). No field.
 const CONN_FLAG_LENDS: u16 = 16;
-/// Connection-info flag: reads answers to its own Puts carried inside a Put it receives
-/// (Put flag bit 1). No field.
-const CONN_FLAG_PUT_ACKS: u16 = 32;
 /// The flags a decoder keeps (others are ignored: a newer peer's).
-pub const CONN_FLAGS_KNOWN: u16 = CONN_FLAG_PROCESS | CONN_FLAG_RAIL0_SAW | CONN_FLAG_PACKED_STAGING | CONN_FLAG_EAGER_WRITE | CONN_FLAG_LENDS
-    | CONN_FLAG_PUT_ACKS;
+pub const CONN_FLAGS_KNOWN: u16 = CONN_FLAG_PROCESS | CONN_FLAG_RAIL0_SAW | CONN_FLAG_PACKED_STAGING | CONN_FLAG_EAGER_WRITE | CONN_FLAG_LENDS;
 
 /// Everything a peer needs to reach an engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -122,8 +118,6 @@ pub struct ConnInfo {
     pub eager_write: bool,
     /// It lends packed slots for staged READs (flags bit 4; stage direction LEND).
     pub lends: bool,
-    /// It reads answers to its Puts that ride in a Put of ours (flags bit 5).
-    pub put_acks: bool,
 }
 
 impl ConnInfo {
@@ -133,8 +127,7 @@ impl ConnInfo {
             | if self.rail0_saw { CONN_FLAG_RAIL0_SAW } else { 0 }
             | if self.packed_staging { CONN_FLAG_PACKED_STAGING } else { 0 }
             | if self.eager_write { CONN_FLAG_EAGER_WRITE } else { 0 }
-            | if self.lends { CONN_FLAG_LENDS } else { 0 }
-            | if self.put_acks { CONN_FLAG_PUT_ACKS } else { 0 };
+            | if self.lends { CONN_FLAG_LENDS } else { 0 };
         w.bytes(CONN_MAGIC).u16(CONN_VERSION).u16(flags).u64(self.engine_id).bytes(&self.host_id);
         w.short(self.agent.as_bytes()).u16(self.rails.len() as u16);
         for r in &self.rails {
@@ -182,7 +175,7 @@ impl ConnInfo {
         r.finish()?;
         Ok(ConnInfo { engine_id, host_id, agent, rails, process, rail0_saw: flags & CONN_FLAG_RAIL0_SAW != 0,
                       packed_staging: flags & CONN_FLAG_PACKED_STAGING != 0, eager_write: flags & CONN_FLAG_EAGER_WRITE != 0,
-                      lends: flags & CONN_FLAG_LENDS != 0, put_acks: flags & CONN_FLAG_PUT_ACKS != 0 })
+                      lends: flags & CONN_FLAG_LENDS != 0 })
     }
 }
 
@@ -421,15 +414,12 @@ pub enum CtrlType {
 
 /// A write carried in a control message: `ranges` of (receiver's address, the key of its
 /// registration on rail 0, length), whose bytes follow in order in `data`; the notification
-/// the receiver takes once they are in place, if any; the sender's connection info, so
-/// that a receiver whose HELLO from it was lost can still answer; and answers (token,
-/// status) to the receiver's own earlier Puts, which a sender whose peer set
-/// CONN_FLAG_PUT_ACKS may carry here instead of in PUT_ACK messages of their own.
+/// the receiver takes once they are in place, if any; and the sender's connection info, so
+/// that a receiver whose HELLO from it was lost can still answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Put<'a> {
     pub token: u64,
     pub notif: Option<&'a [u8]>,
-    pub acks: Vec<(u64, i32)>,
     pub intro: &'a [u8],
     pub ranges: Vec<(u64, u64, u32)>,
     pub data: &'a [u8],
@@ -437,38 +427,24 @@ pub struct Put<'a> {
 
 /// Most ranges a Put carries.
 pub const PUT_MAX_RANGES: usize = 4096;
-/// Most answers a Put carries.
-pub const PUT_MAX_ACKS: usize = 256;
-/// Put flag bits: a notification follows; answers follow.
-const PUT_NOTIF: u8 = 1;
-const PUT_ACKS: u8 = 2;
 
 impl<'a> Put<'a> {
-    /// Bytes of a Put with `ranges` ranges, `data` bytes, a notification of `notif` bytes,
-    /// connection info of `intro` bytes and `acks` answers.
-    pub const fn encoded_len(ranges: usize, data: usize, notif: usize, intro: usize, acks: usize) -> usize {
-        8 + 1 + 4 + notif + (if acks > 0 { 2 + 12 * acks } else { 0 }) + 2 + intro + 2 + 20 * ranges + data
+    /// Bytes of a Put with `ranges` ranges, `data` bytes, a notification of `notif` bytes
+    /// and connection info of `intro` bytes.
+    pub const fn encoded_len(ranges: usize, data: usize, notif: usize, intro: usize) -> usize {
+        8 + 1 + 4 + notif + 2 + intro + 2 + 20 * ranges + data
     }
 
     /// Encodes the message, the data read by `fill` into its place (`fill` gets a buffer of
-    /// exactly the ranges' bytes). `acks` (at most PUT_MAX_ACKS) only to a peer that set
-    /// CONN_FLAG_PUT_ACKS: an older one refuses the message.
-    pub fn encode_with(token: u64, notif: Option<&[u8]>, acks: &[(u64, i32)], intro: &[u8], ranges: &[(u64, u64, u32)],
-                       fill: impl FnOnce(&mut [u8])) -> Vec<u8> {
+    /// exactly the ranges' bytes).
+    pub fn encode_with(token: u64, notif: Option<&[u8]>, intro: &[u8], ranges: &[(u64, u64, u32)], fill: impl FnOnce(&mut [u8])) -> Vec<u8> {
         let data: usize = ranges.iter().map(|r| r.2 as usize).sum();
-        let mut w = Writer(Vec::with_capacity(Self::encoded_len(ranges.len(), data, notif.map_or(0, |n| n.len()), intro.len(), acks.len())));
+        let mut w = Writer(Vec::with_capacity(Self::encoded_len(ranges.len(), data, notif.map_or(0, |n| n.len()), intro.len())));
         w.u64(token);
-        let flags = if notif.is_some() { PUT_NOTIF } else { 0 } | if acks.is_empty() { 0 } else { PUT_ACKS };
-        w.u8(flags);
-        if let Some(n) = notif {
-            w.u32(n.len() as u32).bytes(n);
-        }
-        if !acks.is_empty() {
-            w.u16(acks.len() as u16);
-            for &(t, st) in acks {
-                w.u64(t).u32(st as u32);
-            }
-        }
+        match notif {
+            Some(n) => w.u8(1).u32(n.len() as u32).bytes(n),
+            None => w.u8(0),
+        };
         w.short(intro);
         w.u16(ranges.len() as u16);
         for &(a, k, n) in ranges {
@@ -483,27 +459,14 @@ impl<'a> Put<'a> {
     pub fn decode(b: &'a [u8]) -> Result<Put<'a>> {
         let mut r = Reader::new(b, "put");
         let token = r.u64("token")?;
-        let flags = r.u8("flags")?;
-        if flags & !(PUT_NOTIF | PUT_ACKS) != 0 {
-            return Err(r.err(format!("unknown flags {flags:#x}")));
-        }
-        let notif = if flags & PUT_NOTIF != 0 {
-            let n = r.u32("notification length")? as usize;
-            Some(r.take(n, "notification")?)
-        } else {
-            None
+        let notif = match r.u8("notification flag")? {
+            0 => None,
+            1 => {
+                let n = r.u32("notification length")? as usize;
+                Some(r.take(n, "notification")?)
+            }
+            f => return Err(r.err(format!("unknown notification flag {f}"))),
         };
-        let mut acks = Vec::new();
-        if flags & PUT_ACKS != 0 {
-            let n = r.u16("answer count")? as usize;
-            if n == 0 || n > PUT_MAX_ACKS {
-                return Err(r.err(format!("answer count {n} not in 1..={PUT_MAX_ACKS}")));
-            }
-            acks.reserve(n);
-            for _ in 0..n {
-                acks.push((r.u64("answered token")?, r.u32("answer status")? as i32));
-            }
-        }
         let intro = r.short("connection info", MAX_CONN_INFO)?;
         let n = r.u16("range count")? as usize;
         if n == 0 || n > PUT_MAX_RANGES {
@@ -521,7 +484,7 @@ impl<'a> Put<'a> {
         }
         let data = r.take(total, "data")?;
         r.finish()?;
-        Ok(Put { token, notif, acks, intro, ranges, data })
+        Ok(Put { token, notif, intro, ranges, data })
     }
 }
 
@@ -791,7 +754,7 @@ mod tests {
             process: Some(ProcessInfo { pid: 42, token_addr: 0x7f00_0000_1000, token: [9; 16] }),
             rail0_saw: true,
             packed_staging: true,
-            eager_write: true, lends: true, put_acks: true,
+            eager_write: true, lends: true,
         }
     }
 
@@ -1005,45 +968,19 @@ mod tests {
     #[test]
     fn a_put_carries_its_bytes_notification_and_introduction_and_refuses_bad_ones() {
         let ranges = [(0x1000, 7, 3), (0x2000, 7, 2)];
-        let b = Put::encode_with(42, Some(b"done"), &[], b"info", &ranges, |out| out.copy_from_slice(b"abcde"));
-        assert_eq!(b.len(), Put::encoded_len(2, 5, 4, 4, 0));
+        let b = Put::encode_with(42, Some(b"done"), b"info", &ranges, |out| out.copy_from_slice(b"abcde"));
+        assert_eq!(b.len(), Put::encoded_len(2, 5, 4, 4));
         let p = Put::decode(&b).unwrap();
         assert_eq!((p.token, p.notif, p.intro, p.ranges.as_slice(), p.data), (42, Some(&b"done"[..]), &b"info"[..], &ranges[..], &b"abcde"[..]));
-        assert!(p.acks.is_empty());
-        let quiet = Put::encode_with(1, None, &[], b"", &ranges[..1], |out| out.copy_from_slice(b"xyz"));
+        let quiet = Put::encode_with(1, None, b"", &ranges[..1], |out| out.copy_from_slice(b"xyz"));
         assert_eq!(Put::decode(&quiet).unwrap().notif, None);
         // Cut short, one byte too many, no ranges, a range past the address space.
         assert!(Put::decode(&b[..b.len() - 1]).is_err());
         assert!(Put::decode(&[b.as_slice(), &[0]].concat()).is_err());
-        assert!(Put::decode(&Put::encode_with(1, None, &[], b"", &[], |_| {})).is_err());
-        assert!(Put::decode(&Put::encode_with(1, None, &[], b"", &[(u64::MAX - 1, 0, 4)], |_| {})).is_err());
+        assert!(Put::decode(&Put::encode_with(1, None, b"", &[], |_| {})).is_err());
+        assert!(Put::decode(&Put::encode_with(1, None, b"", &[(u64::MAX - 1, 0, 4)], |_| {})).is_err());
         let mut bad_flag = b.clone();
         bad_flag[8] = 9;
         assert!(Put::decode(&bad_flag).is_err());
-    }
-
-    #[test]
-    fn a_put_carries_answers_to_the_receivers_puts() {
-        let ranges = [(0x1000, 7, 3)];
-        let acks = [(5, 0), (6, -3)];
-        for notif in [Some(&b"n"[..]), None] {
-            let b = Put::encode_with(9, notif, &acks, b"i", &ranges, |out| out.copy_from_slice(b"abc"));
-            assert_eq!(b.len(), Put::encoded_len(1, 3, 1, 1, 2) - if notif.is_none() { 5 } else { 0 });
-            let p = Put::decode(&b).unwrap();
-            assert_eq!((p.notif, p.acks.as_slice(), p.intro, p.data), (notif, &acks[..], &b"i"[..], &b"abc"[..]));
-        }
-        // Without answers the bytes are what builds before them sent (flag 0 or 1).
-        let plain = Put::encode_with(9, None, &[], b"", &ranges, |out| out.copy_from_slice(b"abc"));
-        assert_eq!(plain[8], 0);
-        // An answer count of 0 or past PUT_MAX_ACKS, or answers cut short, is refused.
-        let mut zero = Put::encode_with(9, None, &acks, b"", &ranges, |out| out.copy_from_slice(b"abc"));
-        zero[9..11].copy_from_slice(&0u16.to_le_bytes());
-        assert!(Put::decode(&zero).is_err());
-        let mut many = zero.clone();
-        many[9..11].copy_from_slice(&((PUT_MAX_ACKS + 1) as u16).to_le_bytes());
-        assert!(Put::decode(&many).is_err());
-        let mut three = zero.clone();
-        three[9..11].copy_from_slice(&3u16.to_le_bytes());
-        assert!(Put::decode(&three).is_err());
     }
 }

@@ -46,10 +46,11 @@
 #    this VM's two cores could not settle: RUN_GPU_ONLY=stocknotif, a namespace with a veth,
 #    libfabric main for the stock plugin, six alternating rounds of ours, the stock plugin and
 #    UCX tcp, progress threads off). i: the first part alone, j: the second alone.
-# k (#23's tcp small transfers against the stock LIBFABRIC plugin again, with the answers to
-#    eager writes owed (owe_put_answers) beside the answer sent at once, and ours with its
-#    progress thread on, the agent's off: the defaults a C++ user gets), then, where the
-#    bundle has the CUDA-enabled libfabric 2.1, #24's FI_HMEM on shm with 1024 x 16 KiB.
+# k (#23's tcp small transfers against the stock LIBFABRIC plugin again, ours also with its
+#    progress thread on and the agent's off, the defaults a C++ user gets, and with every pass
+#    on that thread; 2026-12-07 night it also ran a build that owed eager writes' answers,
+#    not kept), then, where the bundle has the CUDA-enabled libfabric 2.1, #24's FI_HMEM on
+#    shm with 1024 x 16 KiB.
 # Everything goes into $OUT/next-call-<a|b|c|d>.tar.xz (each section's results under its own
 # name) and the summaries to stdout.
 set -u
@@ -130,7 +131,7 @@ h|i|j)
   ;;
 k)
   run stocknotif 230 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=215 NOTIF_ROUNDS=4 NOTIF_ITERS=4000 \
-    STOCKNOTIF_CONFIGS=ours-tcp-noprog,ours-tcp-noprog-answer-now,ours-tcp-thread,ours-tcp-thread-only,ucx-tcp-noprog
+    STOCKNOTIF_CONFIGS=ours-tcp-noprog,ours-tcp-thread,ours-tcp-thread-only,ucx-tcp-noprog
   if [ -f "$B/libfabric2-cuda.tar.xz" ]; then
     run hmem 170 RUN_GPU_ONLY=hmem HMEM_PROVIDERS=shm HMEM_TOTAL_S=60 \
       HMEM_ONLY="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,VRAM->VRAM 256x256KiB"

@@ -55,7 +55,6 @@ fn peer_of(id: u64, rails: usize, local: Locality, cma: bool, eager_write: bool)
         packed_staging: true,
         eager_write,
         lends: true,
-        put_acks: true,
     };
     let route = (0..rails).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
     Arc::new(Peer::new(id, &format!("p{id}"), info, Vec::new(), route, true, cma, local))

@@ -13,26 +13,12 @@
 //! `notif_follows`: a request with segments of this route does not send it ahead).
 //! The scheduler picks this route (SegKind::Put) for a WRITE whose descriptors together are
 //! at most `eager_write_bytes`, between host memories, to a peer that takes PUT messages.
-//!
-//! Answers owed (progress thread off). The target's answer used to go out in the pass that
-//! took the notification, before getNotifs returned it: over tcp a socket write on the
-//! target's way to its notification (on lo or a veth it runs the receive path too, ~4 us of
-//! a 4 KiB ping-pong's 16-18). Without a progress thread an answer to a Put that carried a
-//! notification is now owed instead: it rides in our next Put to that peer (CONN_FLAG_PUT_ACKS;
-//! a target that writes back, as a ping-pong or a request/response does, sends one message
-//! where it sent two), or goes on its own in the next pass of any later call. That keeps
-//! done-means-delivered (6): the answer still follows the bytes. What it costs: the
-//! initiator's DONE waits for the target's next call into the plugin, as its flush reads'
-//! answers and every tcp transfer to a target without a progress thread already do; the
-//! engine's teardown (its last passes) and our disconnect of the peer send what is owed. A
-//! Put of ours that cannot be sent fails its own post and loses the answers it carried: the
-//! peer's posts they answer fail at its timeout, as after a lost PUT_ACK.
 use super::slab::Slab;
 use super::{Cx, Post, Start, Transport};
 use crate::engine::counters::add;
 use crate::engine::registry::{LocalMem, MemKind};
 use crate::engine::request::{Phase, Request, Route, SegKind};
-use crate::engine::wire::{Ctrl, CtrlType, Put, StageAck, PUT_MAX_ACKS};
+use crate::engine::wire::{Ctrl, CtrlType, Put, StageAck};
 use crate::error::{Error, Result, Status};
 use std::sync::Arc;
 
@@ -45,20 +31,9 @@ struct Asked {
     notif: bool,
 }
 
-/// An answer to a peer's Put that waits for a message to carry it (module comment).
-struct Owed {
-    /// The peer's engine id.
-    engine: u64,
-    token: u64,
-    status: Status,
-    /// Owed since this pass: it may go on its own from the next one.
-    fresh: bool,
-}
-
 #[derive(Default)]
 pub struct Eager {
     asked: Slab<Asked>,
-    owed: Vec<Owed>,
 }
 
 impl Eager {
@@ -75,30 +50,24 @@ impl Eager {
         let largest = segs.iter().map(|s| s.len as usize).max().unwrap_or(0);
         // Our introduction rides along where a message of the largest segment still fits
         // with it (a connection info of many rails may not; the peer then needs our HELLO).
-        let intro: &[u8] = if Put::encoded_len(1, largest, 0, cx.core.conn_info.len(), 0) <= room { &cx.core.conn_info } else { &[] };
-        if Put::encoded_len(1, largest, 0, intro.len(), 0) > room {
+        let intro: &[u8] = if Put::encoded_len(1, largest, 0, cx.core.conn_info.len()) <= room { &cx.core.conn_info } else { &[] };
+        if Put::encoded_len(1, largest, 0, intro.len()) > room {
             return Err(Error::InvalidParam(format!(
                 "a {largest}-byte block does not fit a control message ({room} bytes): lower eager_write_bytes or raise max_notif_size")));
         }
         let bytes: usize = segs.iter().map(|s| s.len as usize).sum();
         let whole = post.at == 0 && end == req.segs.len();
         let notif = match post.notif.as_ref() {
-            Some(n) if whole && Put::encoded_len(segs.len(), bytes, n.len(), intro.len(), 0) <= room => post.notif.take(),
+            Some(n) if whole && Put::encoded_len(segs.len(), bytes, n.len(), intro.len()) <= room => post.notif.take(),
             _ => None,
         };
-        // Answers we owe the peer ride in the first message where they fit beside the whole run.
-        let mut acks = if peer.info.put_acks { self.owed_to(peer.info.engine_id) } else { Vec::new() };
-        let notif_len = notif.as_ref().map_or(0, |m| m.len());
-        if !acks.is_empty() && Put::encoded_len(segs.len(), bytes, notif_len, intro.len(), acks.len()) > room {
-            self.owe_again(peer.info.engine_id, std::mem::take(&mut acks));
-        }
         let mut pieces = 0;
         let mut rest = segs;
         while !rest.is_empty() {
             // As many segments as one message holds (all of them, with the defaults).
             let mut take = 0;
             let mut n = 0usize;
-            while take < rest.len() && Put::encoded_len(take + 1, n + rest[take].len as usize, notif_len, intro.len(), acks.len()) <= room {
+            while take < rest.len() && Put::encoded_len(take + 1, n + rest[take].len as usize, notif.as_ref().map_or(0, |m| m.len()), intro.len()) <= room {
                 n += rest[take].len as usize;
                 take += 1;
             }
@@ -109,8 +78,7 @@ impl Eager {
             let ranges: Vec<(u64, u64, u32)> = part.iter().map(|s| (s.raddr, s.rkey, s.len as u32)).collect();
             let n: u64 = part.iter().map(|s| s.len).sum();
             let token = self.asked.insert(Asked { req: req.clone(), epoch: post.epoch, bytes: n, peer_id: peer.id, notif: carried });
-            let carried_acks = std::mem::take(&mut acks);
-            let msg = Put::encode_with(token, notif.as_deref(), &carried_acks, intro, &ranges, |out| {
+            let msg = Put::encode_with(token, notif.as_deref(), intro, &ranges, |out| {
                 let mut off = 0;
                 for s in part {
                     let len = s.len as usize;
@@ -125,7 +93,6 @@ impl Eager {
             if carried {
                 add(&cx.core.counters.notifs_ordered, 1);
             }
-            add(&cx.core.counters.acks_carried, carried_acks.len() as u64);
             pieces += 1;
         }
         Ok(pieces)
@@ -141,10 +108,6 @@ impl Eager {
                 return;
             }
         };
-        // Its answers to our earlier Puts first: they name posts of ours, not this one.
-        for &(token, status) in &put.acks {
-            self.answered(cx, sender, StageAck { token, status });
-        }
         let status = match place(cx, &put) {
             Ok(()) => {
                 if let Some(m) = put.notif {
@@ -163,39 +126,7 @@ impl Eager {
             let hello = Ctrl { kind: CtrlType::Hello, sender_id, sender, payload: put.intro };
             cx.conns.introduce(&hello, cx.core.host_id, &cx.core.name);
         }
-        if put.notif.is_some() && status == Status::NF_SUCCESS && !cx.core.cfg.progress_thread && cx.core.cfg.owe_put_answers {
-            self.owed.push(Owed { engine: sender_id, token: put.token, status, fresh: true });
-        } else {
-            cx.answer(sender_id, CtrlType::PutAck, put.token, status, "put");
-        }
-    }
-
-    /// Takes the answers owed to engine `engine`, at most PUT_MAX_ACKS.
-    fn owed_to(&mut self, engine: u64) -> Vec<(u64, i32)> {
-        let mut out = Vec::new();
-        self.owed.retain(|o| {
-            if o.engine != engine || out.len() >= PUT_MAX_ACKS {
-                return true;
-            }
-            out.push((o.token, o.status.code()));
-            false
-        });
-        out
-    }
-
-    fn owe_again(&mut self, engine: u64, acks: Vec<(u64, i32)>) {
-        self.owed.extend(acks.into_iter().map(|(token, st)| Owed { engine, token, status: Status::from_code(st), fresh: false }));
-    }
-
-    /// Sends on their own the answers owed since an earlier pass.
-    fn pay(&mut self, cx: &mut Cx) {
-        for o in std::mem::take(&mut self.owed) {
-            if o.fresh {
-                self.owed.push(Owed { fresh: false, ..o });
-            } else {
-                cx.answer(o.engine, CtrlType::PutAck, o.token, o.status, "put");
-            }
-        }
+        cx.answer(sender_id, CtrlType::PutAck, put.token, status, "put");
     }
 
     /// The peer's answer to one of our Puts.
@@ -270,28 +201,8 @@ impl Transport for Eager {
         true
     }
 
-    /// Answers owed since an earlier pass go on their own (module comment).
-    fn advance(&mut self, cx: &mut Cx) -> bool {
-        if !self.owed.is_empty() {
-            self.pay(cx);
-        }
-        !self.owed.is_empty()
-    }
-
-    /// Answers owed to a peer that we disconnect go while its address is still known.
-    fn peer_leaving(&mut self, cx: &mut Cx, engine_id: u64) {
-        if self.owed.iter().any(|o| o.engine == engine_id) {
-            let (now, later): (Vec<Owed>, Vec<Owed>) = std::mem::take(&mut self.owed).into_iter().partition(|o| o.engine == engine_id);
-            self.owed = later;
-            for o in now {
-                cx.answer(o.engine, CtrlType::PutAck, o.token, o.status, "put");
-            }
-        }
-    }
-
-    /// Puts to a peer that is gone are never answered; nor are its own.
-    fn drop_peer(&mut self, cx: &mut Cx, peer_id: u64, engine_id: u64) {
-        self.owed.retain(|o| o.engine != engine_id);
+    /// Puts to a peer that is gone are never answered.
+    fn drop_peer(&mut self, cx: &mut Cx, peer_id: u64, _engine_id: u64) {
         for token in self.asked.tokens() {
             if self.asked.get_mut(token).is_some_and(|a| a.peer_id == peer_id) {
                 if let Some(a) = self.asked.remove(token) {
@@ -324,6 +235,6 @@ impl Transport for Eager {
     }
 
     fn idle(&self) -> bool {
-        self.asked.is_empty() && self.owed.is_empty()
+        self.asked.is_empty()
     }
 }

@@ -467,7 +467,7 @@ impl Bench {
     fn peer_of(&mut self, id: u64, locality: Locality, rail0_saw: bool, lender: Option<u64>) -> Arc<Peer> {
         let n = self.rails.len();
         let lends = lender.is_some();
-        let info = ConnInfo { engine_id: lender.unwrap_or(1000 + id), host_id: [9; 16], agent: format!("peer{id}"), rails: (0..n).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None, rail0_saw, packed_staging: true, eager_write: false, lends, put_acks: false };
+        let info = ConnInfo { engine_id: lender.unwrap_or(1000 + id), host_id: [9; 16], agent: format!("peer{id}"), rails: (0..n).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None, rail0_saw, packed_staging: true, eager_write: false, lends };
         let route = (0..n).map(|i| RoutePair { rail: i as u16, rrail: i as u16, virt: None }).collect();
         let peer = Arc::new(Peer::new(id, &format!("peer{id}"), info, Vec::new(), route, false, false, locality));
         let addrs = (0..n).map(|l| (0..n).map(|r| Some((10 * l + r) as FiAddr + 1)).collect()).collect();
@@ -479,7 +479,7 @@ impl Bench {
     /// them (max(ours, theirs) pairs, each side cycling over its rails).
     pub fn peer_over(&mut self, id: u64, locality: Locality, remote: usize) -> Arc<Peer> {
         let n = self.rails.len();
-        let info = ConnInfo { engine_id: 1000 + id, host_id: [9; 16], agent: format!("peer{id}"), rails: (0..remote).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None, rail0_saw: false, packed_staging: true, eager_write: false, lends: false, put_acks: false };
+        let info = ConnInfo { engine_id: 1000 + id, host_id: [9; 16], agent: format!("peer{id}"), rails: (0..remote).map(|_| RailAddr { provider: "fake".into(), addr: vec![1] }).collect(), process: None, rail0_saw: false, packed_staging: true, eager_write: false, lends: false };
         let route = (0..n.max(remote)).map(|j| RoutePair { rail: (j % n) as u16, rrail: (j % remote) as u16, virt: None }).collect();
         let peer = Arc::new(Peer::new(id, &format!("peer{id}"), info, Vec::new(), route, false, false, locality));
         let addrs = (0..n).map(|l| (0..remote).map(|r| Some((10 * l + r) as FiAddr + 1)).collect()).collect();

@@ -218,10 +218,6 @@ pub trait Transport: Send {
         false
     }
 
-    /// We are about to disconnect engine `engine_id` (its address is still known): what we
-    /// owe it goes now.
-    fn peer_leaving(&mut self, _cx: &mut Cx, _engine_id: u64) {}
-
     /// Peer `peer_id` (engine `engine_id`) is gone: end what waits on it.
     fn drop_peer(&mut self, _cx: &mut Cx, _peer_id: u64, _engine_id: u64) {}
 

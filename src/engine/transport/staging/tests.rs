@@ -234,7 +234,7 @@ fn pair() -> Pair {
     let peer = init.peer(1, Locality::Remote);
     let info = crate::engine::wire::ConnInfo {
         engine_id: init.core.engine_id, host_id: [3; 16], agent: "init".into(),
-        rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None, rail0_saw: false, packed_staging: true, eager_write: false, lends: false, put_acks: false,
+        rails: (0..RAILS).map(|_| crate::engine::wire::RailAddr { provider: "fake".into(), addr: vec![2] }).collect(), process: None, rail0_saw: false, packed_staging: true, eager_write: false, lends: false,
     };
     owner.conns.initiators.insert(init.core.engine_id, Initiator { name: "init".into(), info: Some(info), addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
     Pair { init, owner, ti: Staging::new(1, "test"), to: Staging::new(1, "test"), peer }
