@@ -51,6 +51,8 @@
 #    on that thread; 2026-12-07 night it also ran a build that owed eager writes' answers,
 #    not kept), then, where the bundle has the CUDA-enabled libfabric 2.1, #24's FI_HMEM on
 #    shm with 1024 x 16 KiB.
+# l (g in one run, for a call that may be the last of a session's device time: one staging
+#    run with the DRAM KV patterns and UCX, then the vLLM pattern with UCX; ~250 s).
 # Everything goes into $OUT/next-call-<a|b|c|d>.tar.xz (each section's results under its own
 # name) and the summaries to stdout.
 set -u
@@ -128,6 +130,11 @@ h|i|j)
     grep -h -E "peer moves it|straight between them" "$B"/hmem_shm_*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c
   fi
   [ "$1" = i ] || run stocknotif 150 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=135 NOTIF_ROUNDS=4 NOTIF_ITERS=4000
+  ;;
+l)
+  P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
+  run staging-auto 200 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
+  run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   ;;
 k)
   run stocknotif 230 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=215 NOTIF_ROUNDS=4 NOTIF_ITERS=4000 \
