@@ -5,7 +5,8 @@
 # staging_lend_min_blocks=1), push (staging_lend_reads=false), depth8 (the default with
 # staging_depth=8), rail0 (the default with chunks on rail 0 too, staging_rail0=true). Then the
 # GPU harness. d8min1: depth8 with every chunk lent; d8m1r0: d8min1 with chunks on rail 0 too.
-# c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size).
+# c2m and c4m: the default with 2 MiB / 4 MiB chunks (staging_chunk_size); c512k and c256k:
+# 512 KiB / 256 KiB chunks, twice / four times as deep, so that as many bytes are in flight.
 # r5off: five rails, host memory's RMA off rail 0 too (rma_rail0=false: it then stripes over the
 # four rails the chunks take); r6off: the same with six rails (five for either); r6: six rails
 # with host memory on all six. Each of these names both settings, so it means the same whatever
@@ -50,6 +51,8 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
       p4off) e=(NIXL_FABRIC_RAILS=4 NIXL_FABRIC_RMA_RAIL0=false) ;;
       c2m) sweep=2M:4 ;;
       c4m) sweep=4M:4 ;;
+      c512k) sweep=512K:8 ;;
+      c256k) sweep=256K:16 ;;
       *) echo "unknown arm $arm"; continue ;;
     esac
     t=-$arm$r
