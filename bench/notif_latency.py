@@ -16,7 +16,9 @@
 
 Configurations: ours-tcp (provider tcp on lo, one rail, same-host shm off, progress threads
 on), ours-tcp-before (the same with the plugin in --before-dir), ours-tcp-flush (the same with notif_behind_data=false: the notification after a flush
-read, as before FI_ORDER_SAW was used), ours-tcp-noprog (no progress threads: each side polls), ours-tcp-r4 (four rails), ucx-tcp (UCX_TLS=tcp,self),
+read, as before FI_ORDER_SAW was used), ours-tcp-noprog (no progress threads: each side polls), ours-tcp-thread (ours on, the
+agent's off: a C++ user's defaults), ours-tcp-thread-only (the same, every pass on our thread),
+ours-tcp-r4 (four rails), ucx-tcp (UCX_TLS=tcp,self),
 ucx-tcp-noprog (the agent's progress thread off, so UCX progresses in every poll), ucx (as
 shipped), stock-libfabric (the wheel's LIBFABRIC; needs libfabric main, libcudart and
 a non-loopback interface, see /work/shared/tools/README.md; NOTIF_IFACE=<veth> puts ours on the
