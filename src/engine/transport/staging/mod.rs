@@ -15,6 +15,7 @@
 //! step it was in and posts the same operation on a later pass; nothing waits inside a
 //! pass for the provider. A chunk ends only when none of its operations is with the
 //! provider any more, so its slot never goes back under a live RMA.
+mod copies;
 mod pool;
 mod serve;
 mod timing;
@@ -29,6 +30,7 @@ use crate::engine::wire::{Ctrl, CtrlType, Stage, StageAck, StageDir, StageLent};
 use crate::error::{Error, Result, Status};
 use crate::fabric::Posted;
 use super::slab::Slab;
+use copies::Queued;
 use pool::{ensure, lent_to_host_ops, rma_ops, Piece, Stager};
 use serve::{Serves, SERVE_RMA};
 use std::sync::Arc;
@@ -43,13 +45,13 @@ const POOL_KEYS: u64 = 1 << 40;
 
 enum Phase {
     /// The gather into the slot is queued.
-    CopyOut(cuda::Event),
+    CopyOut(Queued),
     /// The chunk's RMA operations are being posted (`Job::next_op` is the next; FI_EAGAIN
     /// leaves it there) or are with the provider.
     Rma,
     WaitAck,
     /// The scatter out of the slot is queued.
-    CopyIn(cuda::Event),
+    CopyIn(Queued),
 }
 
 /// One staged chunk of one of our requests: segments `first .. first + n`.
@@ -429,9 +431,9 @@ impl Staging {
         }
         for token in self.jobs.tokens() {
             let Some(j) = self.jobs.get_mut(token) else { continue };
-            let (ev, out) = match &j.phase {
-                Phase::CopyOut(ev) => (ev, true),
-                Phase::CopyIn(ev) => (ev, false),
+            let (q, out) = match &j.phase {
+                Phase::CopyOut(q) => (q, true),
+                Phase::CopyIn(q) => (q, false),
                 Phase::Rma => {
                     if j.next_op < j.rma.len() {
                         self.post_rma(cx, token);
@@ -440,7 +442,11 @@ impl Staging {
                 }
                 Phase::WaitAck => continue,
             };
-            let ready = match cx.core.apply_ctx(&ev.context()).and_then(|_| ev.query().map_err(Error::from)) {
+            let copied = match self.pool.as_mut() {
+                Some(p) => p.copied(cx.core, q),
+                None => Err(Error::Backend("no staging pool".into())),
+            };
+            let ready = match copied {
                 Ok(r) => r,
                 Err(e) => {
                     self.finish(cx, token, Err(e));
@@ -594,6 +600,9 @@ impl Transport for Staging {
                 self.log_times();
             }
             return false;
+        }
+        if let Some(p) = self.pool.as_mut() {
+            p.new_pass();
         }
         let jobs = self.advance_jobs(cx);
         self.serves.advance(cx, &mut self.pool, &mut self.next_key, self.owner) | jobs

@@ -3,6 +3,7 @@
 //! scatters into it on the other, so chunks going both ways overlap) and the gather-copy
 //! kernel per context that packs a chunk's many device ranges with one launch.
 use crate::cuda;
+use super::copies::{Copies, Queued};
 use super::super::Cx;
 use crate::engine::core::Core;
 use crate::engine::counters::add;
@@ -38,6 +39,8 @@ pub struct Stager {
     own_held: usize,
     /// (context id, out) -> stream.
     streams: HashMap<(usize, bool), cuda::Stream>,
+    /// The copies queued on those streams, in order (copies.rs).
+    copies: Copies,
 }
 
 impl Stager {
@@ -52,7 +55,7 @@ impl Stager {
             mrs.push(unsafe { r.register(buf.ptr(), buf.len(), *next_key, None) }?);
         }
         log::info!("{owner}: staging pool: {n} slots of {chunk} bytes ({} MiB pinned, {} rails)", (n * chunk) >> 20, rails.len());
-        Ok(Stager { kernels: HashMap::new(), mrs, buf, chunk, free: (0..n as u32).rev().collect(), own_cap: (n / 2).max(1), own_held: 0, streams: HashMap::new() })
+        Ok(Stager { kernels: HashMap::new(), mrs, buf, chunk, free: (0..n as u32).rev().collect(), own_cap: (n / 2).max(1), own_held: 0, streams: HashMap::new(), copies: Copies::default() })
     }
 
     pub fn slot_ptr(&self, i: u32) -> *mut u8 {
@@ -89,6 +92,16 @@ impl Stager {
         self.free.push(slot);
     }
 
+    /// A new progress pass (copies.rs: what was pending may be done now).
+    pub fn new_pass(&mut self) {
+        self.copies.new_pass();
+    }
+
+    /// Whether copy `q` is done (copies.rs).
+    pub fn copied(&mut self, core: &Core, q: &Queued) -> Result<bool> {
+        self.copies.done(core, q)
+    }
+
     fn stream(&mut self, ctx: cuda::Context, out: bool) -> Result<&cuda::Stream> {
         Ok(match self.streams.entry((ctx.id(), out)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -109,8 +122,15 @@ impl Stager {
     /// else a scatter), on the context's stream of that direction, under the context (rule
     /// 4): one copy per range for large ranges, one gather-kernel launch for many small
     /// ones (pinned memory is addressable by kernels under unified addressing), one copy
-    /// per range where the kernel cannot run. Returns the event that completes after them.
-    pub fn copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, ranges: &[(u64, usize)], out: bool) -> Result<cuda::Event> {
+    /// per range where the kernel cannot run. Returns the copy, which `copied` says is done
+    /// once all of them are.
+    pub fn copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, ranges: &[(u64, usize)], out: bool) -> Result<Queued> {
+        let ev = self.queue_copy(core, ctx, slot, ranges, out)?;
+        Ok(self.copies.queued((ctx.id(), out), ev))
+    }
+
+    /// `copy`'s copies on the stream, and the event recorded after them.
+    fn queue_copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, ranges: &[(u64, usize)], out: bool) -> Result<cuda::Event> {
         let total: usize = ranges.iter().map(|r| r.1).sum();
         if total > self.chunk || ranges.is_empty() {
             return Err(Error::Backend(format!("a staged chunk of {total} bytes in {} ranges does not fit a {}-byte slot", ranges.len(), self.chunk)));

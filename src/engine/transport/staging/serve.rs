@@ -14,6 +14,7 @@
 //! for now (FI_EAGAIN) is retried as the same step: a PULL's read stays a read. A serve
 //! ends (and answers) only when none of its operations is with the provider any more.
 use super::super::slab::Slab;
+use super::copies::Queued;
 use super::pool::{ensure, post_local, rma_ops, Piece, Stager};
 use super::timing::{Step, Times};
 use super::super::Cx;
@@ -40,8 +41,8 @@ enum Phase {
     /// The RMA operations are being posted (`next_op`; FI_EAGAIN leaves it there) or are
     /// with the provider.
     Rma,
-    CopyIn(cuda::Event),
-    CopyOut(cuda::Event),
+    CopyIn(Queued),
+    CopyOut(Queued),
     /// LEND: the slot holds the chunk for the requester's RMA read; ends at its release.
     Lent,
 }
@@ -325,8 +326,8 @@ impl Serves {
         for id in self.items.tokens() {
             let Some(s) = self.items.get_mut(id) else { continue };
             let (ev, copy_in) = match &s.phase {
-                Phase::CopyIn(ev) => (ev, true),
-                Phase::CopyOut(ev) => (ev, false),
+                Phase::CopyIn(q) => (q, true),
+                Phase::CopyOut(q) => (q, false),
                 Phase::Rma => {
                     if s.next_op < s.rma.len() {
                         self.post_due(cx, pool, owner, id);
@@ -342,7 +343,11 @@ impl Serves {
                     continue;
                 }
             };
-            let ready = match cx.core.apply_ctx(&s.ctx).and_then(|_| ev.query().map_err(Error::from)) {
+            let copied = match pool.as_mut() {
+                Some(p) => p.copied(cx.core, ev),
+                None => Err(Error::Backend("no staging pool".into())),
+            };
+            let ready = match copied {
                 Ok(r) => r,
                 Err(e) => {
                     self.end(cx, pool, id, Err(e));
