@@ -1,11 +1,15 @@
-//! Which of the pool's queued device copies are done, with few driver calls. Every chunk's
+//! Which of the pool's queued device copies are done, with fewer driver calls. Every chunk's
 //! gather or scatter ends in a stream event, and a progress pass used to query the event of
 //! every chunk in a copy step, each query after a cuCtxGetCurrent: with two dozen chunks of
 //! ours and as many serves in flight, some seventy driver calls a pass. Work on one stream
 //! completes in the order it was queued, so one answer covers others: a done copy means that
 //! every copy queued before it on its stream is done, and a pending one that every copy queued
 //! after it is still pending (taken as such for the rest of the pass, which a later pass asks
-//! again).
+//! again). What that saves: the queries of the pending tail of each stream, and of copies
+//! below one already seen done; copies that finished since the last pass, asked oldest
+//! first, are still asked one by one. The numbering relies on the pool keeping one stream
+//! per key for its whole life (pool.rs `streams`); a pool that dropped or replaced a stream
+//! would have to forget its `Order` too.
 use crate::cuda;
 use crate::engine::core::Core;
 use crate::error::Result;
@@ -42,9 +46,14 @@ pub struct Copies {
 impl Copies {
     /// The copy whose event `ev` was just recorded on `stream`, after everything queued there.
     pub fn queued(&mut self, stream: StreamKey, ev: cuda::Event) -> Queued {
+        Queued { ev, stream, seq: self.next_seq(stream) }
+    }
+
+    /// The number of the next copy on `stream` (1, 2, ...).
+    fn next_seq(&mut self, stream: StreamKey) -> u64 {
         let o = self.streams.entry(stream).or_default();
         o.queued += 1;
-        Queued { ev, stream, seq: o.queued }
+        o.queued
     }
 
     /// A new progress pass: what was pending may be done now.
@@ -107,11 +116,15 @@ mod tests {
     const B: StreamKey = (1, false);
 
     #[test]
+    fn copies_are_numbered_in_order_on_each_stream() {
+        let mut c = Copies::default();
+        let seqs: Vec<u64> = [A, A, B, A, B].iter().map(|&s| c.next_seq(s)).collect();
+        assert_eq!(seqs, [1, 2, 1, 3, 2]);
+    }
+
+    #[test]
     fn one_answer_covers_the_copies_before_and_after_it_on_its_stream() {
         let mut c = Copies::default();
-        for _ in 0..6 {
-            c.streams.entry(A).or_default().queued += 1;
-        }
         // Asked newest first while the first three are done: 6, 5 and 4 need a query each
         // (each is below the last pending one), 3 is done, so 2 and 1 need none.
         c.new_pass();
@@ -134,9 +147,11 @@ mod tests {
         c.new_pass();
         let e = c.done_by(A, 2, || Err(crate::error::Error::Backend("context not current".into())));
         assert!(e.is_err());
-        // Neither done nor pending was learnt: copy 1 is asked.
+        // Neither done nor pending was learnt: copy 1 below it and copy 3 above it are asked
+        // in the same pass.
         let n = Cell::new(0);
-        assert!(c.done_by(A, 1, || { n.set(1); Ok(true) }).unwrap());
-        assert_eq!(n.get(), 1);
+        assert!(!c.done_by(A, 3, || { n.set(n.get() + 1); Ok(false) }).unwrap());
+        assert!(c.done_by(A, 1, || { n.set(n.get() + 1); Ok(true) }).unwrap());
+        assert_eq!(n.get(), 2);
     }
 }

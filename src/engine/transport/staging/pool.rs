@@ -3,7 +3,7 @@
 //! scatters into it on the other, so chunks going both ways overlap) and the gather-copy
 //! kernel per context that packs a chunk's many device ranges with one launch.
 use crate::cuda;
-use super::copies::{Copies, Queued};
+use super::copies::{Copies, Queued, StreamKey};
 use super::super::Cx;
 use crate::engine::core::Core;
 use crate::engine::counters::add;
@@ -37,8 +37,9 @@ pub struct Stager {
     free: Vec<u32>,
     own_cap: usize,
     own_held: usize,
-    /// (context id, out) -> stream.
-    streams: HashMap<(usize, bool), cuda::Stream>,
+    /// (context id, out) -> stream, one for the pool's life (copies.rs numbers the copies
+    /// queued on each).
+    streams: HashMap<StreamKey, cuda::Stream>,
     /// The copies queued on those streams, in order (copies.rs).
     copies: Copies,
 }

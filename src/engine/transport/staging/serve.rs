@@ -325,7 +325,7 @@ impl Serves {
         let work = !self.idle();
         for id in self.items.tokens() {
             let Some(s) = self.items.get_mut(id) else { continue };
-            let (ev, copy_in) = match &s.phase {
+            let (q, copy_in) = match &s.phase {
                 Phase::CopyIn(q) => (q, true),
                 Phase::CopyOut(q) => (q, false),
                 Phase::Rma => {
@@ -344,7 +344,7 @@ impl Serves {
                 }
             };
             let copied = match pool.as_mut() {
-                Some(p) => p.copied(cx.core, ev),
+                Some(p) => p.copied(cx.core, q),
                 None => Err(Error::Backend("no staging pool".into())),
             };
             let ready = match copied {
