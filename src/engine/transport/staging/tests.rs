@@ -53,6 +53,19 @@ fn acks(b: &Bench) -> Vec<StageAck> {
 }
 use crate::engine::wire;
 
+/// Engine `id` ("init<id>") introduced itself to `b`: answers to it go to address 5.
+fn requester(b: &mut Bench, id: u64) {
+    b.conns.initiators.insert(id, Initiator { name: format!("init{id}"), info: None, addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
+}
+
+/// Engine `from` asks `t` (request `token`, rail 0) to PULL the CHUNK bytes at its address
+/// `theirs` into our device address `dev`.
+fn ask_pull(b: &mut Bench, t: &mut Staging, from: u64, token: u64, dev: u64, theirs: u64) {
+    let st = Stage { token, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 9, ranges: vec![(dev, theirs, CHUNK as u64)] };
+    let bytes = encode_ctrl(CtrlType::Stage, from, &format!("init{from}"), &st.encode());
+    assert!(t.on_control(&mut b.cx(), &wire::decode_ctrl(&bytes).unwrap()));
+}
+
 #[test]
 fn pull_serve_retried_after_eagain_reads_and_lands_the_peers_bytes() {
     in_mock_cuda("pull-serve", "engine::transport::staging::tests::pull_serve_child");
@@ -72,14 +85,11 @@ fn pull_serve_child() {
     let (buf, _m, _dev, _p) = device(&b, 2 * CHUNK);
     let theirs = pattern(CHUNK, 3);
     let untouched = theirs.clone();
-    b.conns.initiators.insert(77, Initiator { name: "init".into(), info: None, addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
+    requester(&mut b, 77);
     let mut t = Staging::new(1, "test");
     b.fakes[0].script(&[Answer::Again, Answer::Again]);
     b.fakes[0].storm(3);
-    let st = Stage { token: 42, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 9, ranges: vec![(buf.addr() + CHUNK as u64, theirs.as_ptr() as u64, CHUNK as u64)] };
-    let bytes = encode_ctrl(CtrlType::Stage, 77, "init", &st.encode());
-    let msg = wire::decode_ctrl(&bytes).unwrap();
-    assert!(t.on_control(&mut b.cx(), &msg));
+    ask_pull(&mut b, &mut t, 77, 42, buf.addr() + CHUNK as u64, theirs.as_ptr() as u64);
     spin(&mut b, &mut t, 200, |b| !acks(b).is_empty());
     let acks = acks(&b);
     assert_eq!(acks, vec![StageAck { token: 42, status: 0 }]);
@@ -111,17 +121,13 @@ fn serves_gone_child() {
     let mut b = bench();
     let (buf, _m, _dev, _p) = device(&b, 8 * CHUNK);
     let theirs = pattern(CHUNK, 5);
-    for id in [77, 78] {
-        b.conns.initiators.insert(id, Initiator { name: format!("init{id}"), info: None, addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
-    }
+    requester(&mut b, 77);
+    requester(&mut b, 78);
     let mut t = Staging::new(1, "test");
     b.fakes[0].refuse_all(true);
-    let stage = |token: u64, slot: u64| Stage { token, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 9, ranges: vec![(buf.addr() + slot * CHUNK as u64, theirs.as_ptr() as u64, CHUNK as u64)] };
     // More requests from 77 than the pool has slots; one from 78.
     for k in 0..10u64 {
-        let (who, name) = if k == 0 { (78, "init78") } else { (77, "init77") };
-        let bytes = encode_ctrl(CtrlType::Stage, who, name, &stage(100 + k, k % 8).encode());
-        assert!(t.on_control(&mut b.cx(), &wire::decode_ctrl(&bytes).unwrap()));
+        ask_pull(&mut b, &mut t, if k == 0 { 78 } else { 77 }, 100 + k, buf.addr() + (k % 8) * CHUNK as u64, theirs.as_ptr() as u64);
     }
     t.advance(&mut b.cx());
     let total = 8;
@@ -875,16 +881,12 @@ fn direct_gone_child() {
     let (buf, _m, p) = device_hmem(&b, 4 * CHUNK);
     p.context().make_current().expect("the owner's context current, as its pass makes it");
     let theirs = pattern(CHUNK, 9);
-    for id in [77, 78] {
-        b.conns.initiators.insert(id, Initiator { name: format!("init{id}"), info: None, addr: Some(5), rail_addrs: Vec::new(), pidfd: None });
-    }
+    requester(&mut b, 77);
+    requester(&mut b, 78);
     let mut t = Staging::new(1, "test");
     b.fakes[0].refuse_all(true);
     for k in 0..4u64 {
-        let (who, name) = if k == 0 { (78, "init78") } else { (77, "init77") };
-        let st = Stage { token: 200 + k, dir: StageDir::Pull, rail: 0, rrail: 0, peer_key: 9, ranges: vec![(buf.addr() + k * CHUNK as u64, theirs.as_ptr() as u64, CHUNK as u64)] };
-        let bytes = encode_ctrl(CtrlType::Stage, who, name, &st.encode());
-        assert!(t.on_control(&mut b.cx(), &wire::decode_ctrl(&bytes).unwrap()));
+        ask_pull(&mut b, &mut t, if k == 0 { 78 } else { 77 }, 200 + k, buf.addr() + k * CHUNK as u64, theirs.as_ptr() as u64);
     }
     t.advance(&mut b.cx());
     assert!(!t.idle() && t.serves.waiting.is_empty(), "direct serves wait for no slot");
