@@ -31,7 +31,7 @@ use crate::error::{Error, Result, Status};
 use crate::fabric::Posted;
 use super::slab::Slab;
 use copies::Queued;
-use pool::{ensure, lent_to_host_ops, rma_ops, Piece, Stager};
+use pool::{copied, ensure, lent_to_host_ops, rma_ops, Piece, Stager};
 use serve::{Serves, SERVE_RMA};
 use std::sync::Arc;
 use std::time::Instant;
@@ -442,11 +442,7 @@ impl Staging {
                 }
                 Phase::WaitAck => continue,
             };
-            let copied = match self.pool.as_mut() {
-                Some(p) => p.copied(cx.core, q),
-                None => Err(Error::Backend("no staging pool".into())),
-            };
-            let ready = match copied {
+            let ready = match copied(&mut self.pool, cx.core, q) {
                 Ok(r) => r,
                 Err(e) => {
                     self.finish(cx, token, Err(e));

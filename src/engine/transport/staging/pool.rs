@@ -98,11 +98,6 @@ impl Stager {
         self.copies.new_pass();
     }
 
-    /// Whether copy `q` is done (copies.rs).
-    pub fn copied(&mut self, core: &Core, q: &Queued) -> Result<bool> {
-        self.copies.done(core, q)
-    }
-
     fn stream(&mut self, ctx: cuda::Context, out: bool) -> Result<&cuda::Stream> {
         Ok(match self.streams.entry((ctx.id(), out)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -288,6 +283,11 @@ pub fn rma_ops(ranges: impl Iterator<Item = (u64, usize)>, batch: usize) -> Vec<
         off += len;
     }
     pieces.chunks(batch.clamp(1, crate::fabric::MAX_RMA_BATCH)).map(|c| c.to_vec()).collect()
+}
+
+/// Whether copy `q`, queued by `pool`, is done (copies.rs).
+pub fn copied(pool: &mut Option<Stager>, core: &Core, q: &Queued) -> Result<bool> {
+    pool.as_mut().ok_or_else(|| Error::Backend("no staging pool".into()))?.copies.done(core, q)
 }
 
 /// The pool, created on first use under the context of the memory that needs it, sized

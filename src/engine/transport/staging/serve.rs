@@ -15,7 +15,7 @@
 //! ends (and answers) only when none of its operations is with the provider any more.
 use super::super::slab::Slab;
 use super::copies::Queued;
-use super::pool::{ensure, post_local, rma_ops, Piece, Stager};
+use super::pool::{copied, ensure, post_local, rma_ops, Piece, Stager};
 use super::timing::{Step, Times};
 use super::super::Cx;
 use crate::cuda;
@@ -343,11 +343,7 @@ impl Serves {
                     continue;
                 }
             };
-            let copied = match pool.as_mut() {
-                Some(p) => p.copied(cx.core, q),
-                None => Err(Error::Backend("no staging pool".into())),
-            };
-            let ready = match copied {
+            let ready = match copied(pool, cx.core, q) {
                 Ok(r) => r,
                 Err(e) => {
                     self.end(cx, pool, id, Err(e));
