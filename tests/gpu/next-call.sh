@@ -68,6 +68,8 @@ run() {  # name, seconds, environment...: one run-gpu.sh section, its output kep
   # each section's results come back on their own, should a later one run past the limit
   tar -C "$W" -cJf "$OUT/section-$name.tar.xz" "$name.txt" $( [ -d "$W/$name" ] && echo "$name" )
 }
+# The staging patterns of sections e, f, g and l.
+P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
 case "${1:-a}" in
 a)
   run hmem 170 RUN_GPU_ONLY=hmem HMEM_PROVIDERS=shm
@@ -109,19 +111,18 @@ d)
   PIN="taskset -c 2-5" run dram-pin 100 RUN_GPU_ONLY=dram DRAM_CONFIGS=ours-dflt-np,ucx-np DRAM_BUDGET=80
   ;;
 e)
-  P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
   run staging-auto 200 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
   run staging-r8 150 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_TAG=-r8 NIXL_FABRIC_RAILS=8 STAGING_ONLY="$P"
   ;;
 f)
-  P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
   run staging-auto 220 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
   run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   run notif 130 RUN_GPU_ONLY=notif NOTIF_BUDGET=110
   ;;
-g)
-  P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
-  run staging-auto 300 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4 0:4 0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
+g|l)
+  # g: three staging runs in a row; l: one
+  if [ "$1" = g ]; then sweep="0:4 0:4 0:4" t=300; else sweep=0:4 t=200; fi
+  run staging-auto $t RUN_GPU_ONLY=staging STAGING_SWEEP="$sweep" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
   run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   ;;
 h|i|j)
@@ -130,11 +131,6 @@ h|i|j)
     grep -h -E "peer moves it|straight between them" "$B"/hmem_shm_*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c
   fi
   [ "$1" = i ] || run stocknotif 150 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=135 NOTIF_ROUNDS=4 NOTIF_ITERS=4000
-  ;;
-l)
-  P="VRAM->VRAM 1x64MiB,VRAM->VRAM 1024x16KiB,VRAM->VRAM 4096x4KiB,VRAM->VRAM 256x256KiB,DRAM->VRAM 1x64MiB,VRAM->DRAM 1x64MiB,DRAM->DRAM 1x64MiB"
-  run staging-auto 200 RUN_GPU_ONLY=staging STAGING_SWEEP="0:4" STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_ONLY="$P"
-  run vllm 120 RUN_GPU_ONLY=vllm VLLM_BUDGET=85 VLLM_ARGS="--requests 256,1024 --variants random --no-gather"
   ;;
 k)
   run stocknotif 230 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=215 NOTIF_ROUNDS=4 NOTIF_ITERS=4000 \
