@@ -1,7 +1,8 @@
-# GPU tests. On this (CPU) machine `make test` runs the GPU harness three times: without a CUDA
+# GPU tests. On this (CPU) machine `make test` runs the GPU harness four times: without a CUDA
 # driver (DRAM served, VRAM refused with NOT_SUPPORTED) and against the strict stand-in
 # driver src/cuda/mock_cuda.c (the whole staging path and the seed-bug regression), that
-# one again with four tcp rails (rail threads on the staging path, rail 0 left to control).
+# one again with four tcp rails (rail threads on the staging path, rail 0 left to control), and
+# once more with staged chunks evened out over those rails (staging_balance).
 # `make gpu-bundle` packs everything a GPU host needs into .gpu/ (bench/bench.py included, for
 # the DRAM benchmark: RUN_GPU_ONLY=dram; bench/vllm_kv.py and bench/descs.py for the
 # descriptor-heavy benchmarks of issue #23: RUN_GPU_ONLY=vllm / descs, run only when named);
@@ -29,6 +30,10 @@ gpu-cpu-test: build $(GPU_HARNESS) $(MOCK_CUDA)
 	@# rails, which a 2-core host never opens
 	@echo "== GPU harness, stand-in CUDA driver, four tcp rails"
 	NIXL_FABRIC_RAILS=4 NIXL_FABRIC_CUDA_LIB=$(MOCK_CUDA) GPU_HARNESS_NO_BW=1 timeout 300 $(GPU_HARNESS)
+	@# staging_balance (off by default until a GPU host has measured it): the same run with staged
+	@# requests planned again where their chunks leave one rail pair over the mean
+	@echo "== GPU harness, stand-in CUDA driver, four tcp rails, staged chunks evened out"
+	NIXL_FABRIC_STAGING_BALANCE=true NIXL_FABRIC_RAILS=4 NIXL_FABRIC_CUDA_LIB=$(MOCK_CUDA) GPU_HARNESS_NO_BW=1 timeout 300 $(GPU_HARNESS)
 
 # The plugin must load where there is no CUDA and no NIXL: neither may be NEEDED.
 check-needed: build

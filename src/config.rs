@@ -107,6 +107,8 @@ tunables! {
         "size of one staging chunk: many small GPU blocks are packed into one chunk by one gather launch, moved as one RMA and unpacked by one scatter launch; 0 = the bandwidth-delay product of one rail (its provider's bandwidth over about 400 us, 1 MiB over tcp, 4 MiB over verbs/efa)";
     staging_depth: u64 = U64, "4", "NIXL_FABRIC_STAGING_DEPTH",
         "staging chunks in flight per rail (the device copy of one overlaps the wire of the one before and the device copy at the far end of the one before that); sizes the automatic staging pool";
+    staging_balance: bool = Bool, "false", "NIXL_FABRIC_STAGING_BALANCE",
+        "even a staged request's bytes out over the rails it takes: where fixed-size chunks dealt round-robin leave one rail more than 5 % over the mean (16 chunks of 1 MiB over five rails: four on one, 1.25x the mean), the request is planned again with chunks cut to the size that gives every rail as many (20 of 832 KiB), not below 256 KiB; the plan whose busiest rail carries less is kept. Off until measured on a GPU host (staged WRITE 1024 x 16 KiB reached 0.67-0.74x of host memory there, whose many small RMAs spread evenly)";
     staging_rail0: bool = Bool, "false", "NIXL_FABRIC_STAGING_RAIL0",
         "false keeps staged chunks off rail 0 (and the peer's rail 0) wherever the route has at least two other pairs, so the stage requests and answers that rail 0 carries never queue behind a chunk's bytes on its connection (and the progress thread, which drives rail 0, never moves a chunk's bytes); true lets them take rail 0 in their turn like every other rail";
     staging_lend_reads: bool = Bool, "true", "NIXL_FABRIC_STAGING_LEND_READS",
@@ -248,6 +250,7 @@ impl Config {
             staging_chunk_size: 0,
             staging_depth: 0,
             staging_ranges: 0,
+            staging_balance: false,
             staging_rail0: true,
             rma_rail0: true,
             staging_lend_reads: true,

@@ -547,6 +547,7 @@ impl Engine {
             rr_chunks: &self.rr_chunks,
             timed: t0.is_some(),
             plan_threads: self.plan_threads,
+            staged_chunk: 0,
         };
         let t1 = t0.map(|_| Instant::now());
         let count = pairs.count();

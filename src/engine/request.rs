@@ -80,11 +80,13 @@ pub struct SegSummary {
     pub on_rails: bool,
     pub local_copies: bool,
     pub device_rma: bool,
+    /// Some segment is staged (the scheduler may even the chunks out over the rails).
+    pub staged: bool,
 }
 
 impl Default for SegSummary {
     fn default() -> Self {
-        SegSummary { bytes: 0, on_rails: false, local_copies: true, device_rma: false }
+        SegSummary { bytes: 0, on_rails: false, local_copies: true, device_rma: false, staged: false }
     }
 }
 
@@ -97,6 +99,7 @@ impl SegSummary {
     /// The kind's facts without its bytes (segments of one kind in a row need it once).
     pub fn note(&mut self, kind: &SegKind) {
         self.on_rails |= matches!(kind.route(), Route::Rma | Route::Staging | Route::Eager);
+        self.staged |= kind.route() == Route::Staging;
         self.local_copies &= matches!(kind, SegKind::Cma { .. } | SegKind::Direct { .. } | SegKind::Loopback { .. });
     }
 
@@ -106,6 +109,7 @@ impl SegSummary {
         self.on_rails |= next.on_rails;
         self.local_copies &= next.local_copies;
         self.device_rma |= next.device_rma;
+        self.staged |= next.staged;
     }
 }
 

@@ -53,6 +53,10 @@
 #    shm with 1024 x 16 KiB.
 # l (g in one run, for a call that may be the last of a session's device time: one staging
 #    run with the DRAM KV patterns and UCX, then the vLLM pattern with UCX; ~250 s).
+# m (#24: staging_balance, which evens a staged request's chunks out over the rails, against the
+#    default, two alternating rounds with the DRAM KV patterns in each, UCX in the first; its
+#    default arm is also the first GPU run of copies.rs, the per-stream order of staged copies;
+#    ~550 s).
 # Everything goes into $OUT/next-call-<a|b|c|d>.tar.xz (each section's results under its own
 # name) and the summaries to stdout.
 set -u
@@ -131,6 +135,14 @@ h|i|j)
     grep -h -E "peer moves it|straight between them" "$B"/hmem_shm_*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c
   fi
   [ "$1" = i ] || run stocknotif 150 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=135 NOTIF_ROUNDS=4 NOTIF_ITERS=4000
+  ;;
+m)
+  # staging_balance A/B, alternating, each run with the DRAM KV patterns over the same rails first;
+  # UCX tcp+cuda_copy once, in the first run
+  run staging-dflt1 220 RUN_GPU_ONLY=staging STAGING_SWEEP=0:4 STAGING_DRAM_KV=1 STAGING_UCX=1 STAGING_TAG=-dflt1 STAGING_ONLY="$P"
+  run staging-bal1 110 RUN_GPU_ONLY=staging STAGING_SWEEP=0:4 STAGING_DRAM_KV=1 STAGING_TAG=-bal1 STAGING_ONLY="$P" NIXL_FABRIC_STAGING_BALANCE=true
+  run staging-dflt2 110 RUN_GPU_ONLY=staging STAGING_SWEEP=0:4 STAGING_DRAM_KV=1 STAGING_TAG=-dflt2 STAGING_ONLY="$P"
+  run staging-bal2 110 RUN_GPU_ONLY=staging STAGING_SWEEP=0:4 STAGING_DRAM_KV=1 STAGING_TAG=-bal2 STAGING_ONLY="$P" NIXL_FABRIC_STAGING_BALANCE=true
   ;;
 k)
   run stocknotif 230 RUN_GPU_ONLY=stocknotif NOTIF_BUDGET=215 NOTIF_ROUNDS=4 NOTIF_ITERS=4000 \

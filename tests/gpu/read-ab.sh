@@ -12,7 +12,9 @@
 # with host memory on all six. Each of these names both settings, so it means the same whatever
 # the defaults are. Since 2026-12-07 evening r6off is the default (min2 and the others then run
 # with it): old is the defaults before it (five rails, bulk host RMA on every rail); r8: eight
-# rails at the default rma_rail0. For hosts of 8-15 cores (automatic tcp rails: two), with
+# rails at the default rma_rail0. bal: the default with staging_balance=true (a staged request
+# planned again with smaller chunks where 1 MiB chunks dealt round-robin leave one rail pair over
+# the mean: 16 MiB over five pairs as 20 chunks of 832 KiB instead of 16, four on one pair). For hosts of 8-15 cores (automatic tcp rails: two), with
 # AB_PIN="taskset -c 0-7" (every process of the run on eight cores): p2 (two rails, the
 # automatic count there), p3off / p4off (three / four rails, host memory off rail 0), p3 (three
 # rails, host memory on all three).
@@ -49,6 +51,7 @@ for r in $(seq "${AB_ROUNDS:-2}"); do
       p3off) e=(NIXL_FABRIC_RAILS=3 NIXL_FABRIC_RMA_RAIL0=false) ;;
       p3) e=(NIXL_FABRIC_RAILS=3 NIXL_FABRIC_RMA_RAIL0=true) ;;
       p4off) e=(NIXL_FABRIC_RAILS=4 NIXL_FABRIC_RMA_RAIL0=false) ;;
+      bal) e=(NIXL_FABRIC_STAGING_BALANCE=true) ;;
       c2m) sweep=2M:4 ;;
       c4m) sweep=4M:4 ;;
       c512k) sweep=512K:8 ;;

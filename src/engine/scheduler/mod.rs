@@ -4,6 +4,7 @@
 //! shapes; what it needs to know about same-host memory (another engine's registration in
 //! this process, a peer's GPU allocation opened by IPC) it asks through `Reach`, so tests
 //! run it with none of that.
+mod balance;
 mod part;
 mod parts;
 mod pool;
@@ -24,6 +25,12 @@ use routes::{Small, RAIL0_MAX_DESCS};
 /// Checks every pair and cuts it into segments, once; posts reuse them. `pairs` is read as
 /// it is needed, by several threads in parts where the request is long (`part_count`).
 pub fn plan<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, pairs: &S, reach: &dyn Reach) -> Result<Plan> {
+    let first = plan_once(inp, target, pairs, reach)?;
+    balance::even_out(inp, target, first, |evened| plan_once(evened, target, pairs, reach))
+}
+
+/// One plan of the request with `inp`'s chunk size.
+fn plan_once<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, pairs: &S, reach: &dyn Reach) -> Result<Plan> {
     let count = pairs.count();
     if count == 0 {
         return Err(Error::InvalidParam("request has no descriptors".into()));

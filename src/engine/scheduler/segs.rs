@@ -161,7 +161,7 @@ pub(super) fn staged_segs(inp: &Inputs, segs: &mut Vec<Seg>, fill: &mut ChunkFil
                           lstaged: Option<DeviceMem>, route: &[RoutePair]) {
     let (la, ll, lm) = local;
     let (ra, desc) = remote;
-    let chunk = inp.cfg.staging_chunk(inp.shapes.first().map_or("", |s| s.provider.as_str())).max(1);
+    let chunk = inp.chunk().max(1);
     let max_blocks = inp.cfg.staging_ranges.max(1);
     let mut off = 0;
     while off < ll {

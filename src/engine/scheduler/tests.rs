@@ -81,7 +81,7 @@ fn run(cfg: &Config, rails: usize, target: &Target, pairs: &[Pair], reach: &dyn 
 fn run_on(threads: usize, cfg: &Config, rails: usize, target: &Target, pairs: &[Pair], reach: &dyn Reach) -> Result<Plan> {
     let sh = shapes(rails);
     let rr = AtomicUsize::new(0);
-    plan(&Inputs { engine_id: ME, op: Op::Write, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: threads }, target, pairs, reach)
+    plan(&Inputs { engine_id: ME, op: Op::Write, cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: threads, staged_chunk: 0 }, target, pairs, reach)
 }
 
 #[test]
@@ -128,7 +128,7 @@ fn rma_rail0_off_keeps_bulk_data_off_the_control_pair_but_not_small_requests() {
     let mut own = shapes(3);
     own.iter_mut().for_each(|s| s.nic_shared = false);
     let rr = AtomicUsize::new(0);
-    let plan = super::plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &cfg, shapes: &own, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1 }, &Target::Peer(p.clone()), &big[..], &Nothing(None)).unwrap();
+    let plan = super::plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &cfg, shapes: &own, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1, staged_chunk: 0 }, &Target::Peer(p.clone()), &big[..], &Nothing(None)).unwrap();
     assert!(plan.segs.iter().any(|s| s.rail == 0) && plan.segs.iter().any(|s| s.rail == 2));
     // Two rails: one pair off rail 0 would halve the bandwidth, so both carry data.
     let p2 = peer(2, 2, Locality::Remote, false);
@@ -184,7 +184,7 @@ fn small_host_writes_to_a_peer_that_takes_puts_go_in_a_control_message() {
         let ps: Vec<Pair> = (0..n).map(|i| Pair { local: (0x10_0000 + i * bs, bs, &l), remote: (0x900_0000 + (n - i) * bs, bs, r) }).collect();
         let sh = shapes(2);
         let rr = AtomicUsize::new(0);
-        plan(&Inputs { engine_id: ME, op, cfg: &cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1 }, &Target::Peer(target.clone()), &ps[..], &Nothing(None)).unwrap()
+        plan(&Inputs { engine_id: ME, op, cfg: &cfg, shapes: &sh, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1, staged_chunk: 0 }, &Target::Peer(target.clone()), &ps[..], &Nothing(None)).unwrap()
     };
     let kinds = |pl: &Plan| pl.segs.iter().map(|s| s.kind.route()).collect::<Vec<_>>();
     // Two 4 KiB blocks: Puts naming the peer's address and its rail-0 key.
@@ -210,7 +210,7 @@ fn small_requests_stay_on_rail_0_where_it_orders_a_notification_behind_data() {
     let rails_of = |plan: &Plan| plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>();
     let plan_at = |sh: &[RailShape], rr: usize, pairs: &[Pair]| {
         let chunks = AtomicUsize::new(0);
-        plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &cfg, shapes: sh, rr_base: rr, rr_chunks: &chunks, timed: false, plan_threads: 1 }, &Target::Peer(p.clone()), pairs, &Nothing(None)).unwrap()
+        plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &cfg, shapes: sh, rr_base: rr, rr_chunks: &chunks, timed: false, plan_threads: 1, staged_chunk: 0 }, &Target::Peer(p.clone()), pairs, &Nothing(None)).unwrap()
     };
     let mut ordered = shapes(4);
     ordered[0].order_saw = true;
@@ -225,7 +225,7 @@ fn small_requests_stay_on_rail_0_where_it_orders_a_notification_behind_data() {
     let mut off = cfg.clone();
     off.notif_rail0_bytes = 0;
     let chunks = AtomicUsize::new(0);
-    let plan = plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &off, shapes: &ordered, rr_base: 2, rr_chunks: &chunks, timed: false, plan_threads: 1 }, &Target::Peer(p.clone()), &blocks(1, 4096)[..], &Nothing(None)).unwrap();
+    let plan = plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &off, shapes: &ordered, rr_base: 2, rr_chunks: &chunks, timed: false, plan_threads: 1, staged_chunk: 0 }, &Target::Peer(p.clone()), &blocks(1, 4096)[..], &Nothing(None)).unwrap();
     assert_eq!(rails_of(&plan), vec![(2, 2)]);
     // rma_rail0 off: the small ones still stay on rail 0; the larger ones skip it.
     let mut bulk_off = cfg.clone();
@@ -233,7 +233,7 @@ fn small_requests_stay_on_rail_0_where_it_orders_a_notification_behind_data() {
     for rr in 0..4 {
         let at = |pairs: &[Pair]| {
             let chunks = AtomicUsize::new(0);
-            rails_of(&super::plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &bulk_off, shapes: &ordered, rr_base: rr, rr_chunks: &chunks, timed: false, plan_threads: 1 }, &Target::Peer(p.clone()), pairs, &Nothing(None)).unwrap())
+            rails_of(&super::plan(&Inputs { engine_id: ME, op: Op::Write, cfg: &bulk_off, shapes: &ordered, rr_base: rr, rr_chunks: &chunks, timed: false, plan_threads: 1, staged_chunk: 0 }, &Target::Peer(p.clone()), pairs, &Nothing(None)).unwrap())
         };
         assert_eq!(at(&blocks(1, 4096)), vec![(0, 0)], "turn {rr}");
         assert!(at(&blocks(32, 4096)).iter().all(|&(a, b)| a != 0 && b != 0), "turn {rr}");
@@ -300,6 +300,65 @@ fn staged_device_memory_is_cut_into_chunks_over_the_route() {
         Err(Error::Mismatch(m)) => assert!(m.contains("older nixl-fabric"), "{m}"),
         other => panic!("expected a mismatch, got {:?}", other.map(|p| p.segs.len())),
     }
+}
+
+#[test]
+fn staging_balance_evens_a_requests_chunks_out_over_the_rails() {
+    // Six rails, chunks off rail 0: five pairs. 1024 blocks of 16 KiB (16 MiB) in 1 MiB
+    // chunks are 16 chunks, four on one pair; evened out, 20 chunks of 832 KiB, four a pair.
+    let mut cfg = Config::defaults();
+    cfg.staging_chunk_size = 1 << 20;
+    cfg.staging_rail0 = false;
+    let p = peer(1, 6, Locality::Remote, false);
+    let r = remote(&p, 0x4000_0000, 64 << 20, 6);
+    // SAFETY: a dangling handle that no CUDA call sees in this test.
+    let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
+    let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: true, managed: false };
+    let l = Arc::new(LocalMem::new(ME, 0x1000_0000, 64 << 20, MemKind::Vram, 0, 6, Vec::new(), SharedCloseQueue::default(), Some(dev), None));
+    // Every other slot on each side (no two blocks continue each other).
+    let pairs: Vec<Pair> = (0..1024u64).map(|i| Pair { local: (0x1000_0000 + i * 32768, 16384, &l), remote: (0x4000_0000 + i * 32768, 16384, &r) }).collect();
+    let per_pair = |plan: &Plan| {
+        let mut bytes = std::collections::BTreeMap::new();
+        let mut chunks = std::collections::BTreeMap::new();
+        let mut last = None;
+        for s in &plan.segs {
+            *bytes.entry((s.rail, s.rrail)).or_insert(0u64) += s.len;
+            if last != Some((s.rail, s.rrail)) {
+                *chunks.entry((s.rail, s.rrail)).or_insert(0u32) += 1;
+            }
+            last = Some((s.rail, s.rrail));
+        }
+        (bytes, chunks)
+    };
+    let fixed = run(&cfg, 6, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
+    let (bytes, chunks) = per_pair(&fixed);
+    assert_eq!(bytes.len(), 5, "five pairs, none on rail 0: {bytes:?}");
+    assert_eq!(bytes.values().max(), Some(&(4 << 20)));
+    assert_eq!(chunks.values().sum::<u32>(), 16);
+    cfg.staging_balance = true;
+    let even = run(&cfg, 6, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
+    let (bytes, chunks) = per_pair(&even);
+    assert_eq!(bytes.values().sum::<u64>(), 16 << 20);
+    assert_eq!(bytes.values().max(), Some(&(4 * (832 << 10))), "{bytes:?}");
+    assert!(chunks.values().all(|&n| n == 4), "{chunks:?}");
+    // Every block once, in order, whole or cut at a chunk's end.
+    let mut at = 0x1000_0000u64;
+    let mut left = 16384u64;
+    for s in &even.segs {
+        assert_eq!(s.local, at);
+        assert!(s.len <= left);
+        left -= s.len;
+        at += s.len;
+        if left == 0 {
+            at += 16384;
+            left = 16384;
+        }
+    }
+    assert_eq!(at, 0x1000_0000 + 1024 * 32768);
+    // 64 chunks over five pairs are 13 at most on one, within 5 % of the mean: kept.
+    let big: Vec<Pair> = (0..256u64).map(|i| Pair { local: (0x1000_0000 + i * 262144, 262144, &l), remote: (0x4000_0000 + i * 262144, 262144, &r) }).collect();
+    let plan = run(&cfg, 6, &Target::Peer(p), &big, &Nothing(None)).unwrap();
+    assert!(plan.segs.iter().all(|s| s.len == 262144));
 }
 
 #[test]

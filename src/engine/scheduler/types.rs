@@ -49,6 +49,7 @@ pub trait Reach: Sync {
 }
 
 /// What a request is planned against.
+#[derive(Clone, Copy)]
 pub struct Inputs<'a> {
     pub engine_id: u64,
     pub op: Op,
@@ -64,6 +65,9 @@ pub struct Inputs<'a> {
     /// Most threads that plan one request in parts (config plan_threads, resolved; 1: the
     /// caller's thread alone).
     pub plan_threads: usize,
+    /// Bytes of a staging chunk for this plan (balance.rs evens a request's chunks out over
+    /// the rails with it); 0 = the configured size.
+    pub staged_chunk: u64,
 }
 
 /// A request's descriptor pairs, which planning threads read in parts at the same time.
@@ -111,5 +115,15 @@ impl Pair<'_> {
     /// The registration pair a descriptor pair names.
     pub(super) fn key(&self) -> (usize, usize) {
         (Arc::as_ptr(self.local.2) as usize, Arc::as_ptr(self.remote.2) as usize)
+    }
+}
+
+impl Inputs<'_> {
+    /// Bytes of one staging chunk in this plan.
+    pub(super) fn chunk(&self) -> u64 {
+        match self.staged_chunk {
+            0 => self.cfg.staging_chunk(self.shapes.first().map_or("", |s| s.provider.as_str())),
+            c => c,
+        }
     }
 }

@@ -433,7 +433,7 @@ mod tests {
         let src = pattern(32 * 1024);
         let mut dst = vec![0u8; src.len()];
         let segs = segs(&src, &mut dst, 8, 4096, 1);
-        let sum = crate::engine::request::SegSummary { bytes: src.len() as u64, on_rails: true, local_copies: false, device_rma: true };
+        let sum = crate::engine::request::SegSummary { bytes: src.len() as u64, on_rails: true, local_copies: false, device_rma: true, staged: false };
         let target = crate::engine::request::Target::Peer(peer.clone());
         let req = Arc::new(Request::summed(Op::Write, target, segs, sum, Vec::new(), Vec::new(), Vec::new()));
         // Under FI_EAGAIN too: a refused operation is retried as the same single segment.

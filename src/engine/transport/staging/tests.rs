@@ -376,7 +376,7 @@ fn planned_on(p: &Pair, op: Op, blocks: &[(u64, u64, u64)], local: &Arc<LocalMem
     let pairs: Vec<DescPair> = blocks.iter().map(|&(l, r, n)| DescPair { local: (local.base + l, n, local), remote: (rbase + r, n, remote) }).collect();
     let target = crate::engine::request::Target::Peer(p.peer.clone());
     let cfg = crate::config::Config { hmem_owner_rma: owner_rma, ..p.init.core.cfg.clone() };
-    let inp = Inputs { engine_id: p.init.core.engine_id, op: crate::engine::request::Op::Write, cfg: &cfg, shapes: &shapes, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1 };
+    let inp = Inputs { engine_id: p.init.core.engine_id, op: crate::engine::request::Op::Write, cfg: &cfg, shapes: &shapes, rr_base: 0, rr_chunks: &rr, timed: false, plan_threads: 1, staged_chunk: 0 };
     let pl = plan(&inp, &target, &pairs[..], &Remote).expect("plans");
     Arc::new(Request::new(op, target, pl.segs, Vec::new(), Vec::new(), Vec::new()))
 }
