@@ -121,12 +121,14 @@ impl Stager {
     /// per range where the kernel cannot run. Returns the copy, which `copied` says is done
     /// once all of them are.
     pub fn copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, ranges: &[(u64, usize)], out: bool) -> Result<Queued> {
-        let ev = self.queue_copy(core, ctx, slot, ranges, out)?;
+        let reuse = self.copies.reusable((ctx.id(), out));
+        let ev = self.queue_copy(core, ctx, slot, ranges, out, reuse)?;
         Ok(self.copies.queued((ctx.id(), out), ev))
     }
 
-    /// `copy`'s copies on the stream, and the event recorded after them.
-    fn queue_copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, ranges: &[(u64, usize)], out: bool) -> Result<cuda::Event> {
+    /// `copy`'s copies on the stream, and the event recorded after them (`reuse`, where a
+    /// done copy's is free, else a new one).
+    fn queue_copy(&mut self, core: &Core, ctx: cuda::Context, slot: u32, ranges: &[(u64, usize)], out: bool, reuse: Option<cuda::Event>) -> Result<cuda::Event> {
         let total: usize = ranges.iter().map(|r| r.1).sum();
         if total > self.chunk || ranges.is_empty() {
             return Err(Error::Backend(format!("a staged chunk of {total} bytes in {} ranges does not fit a {}-byte slot", ranges.len(), self.chunk)));
@@ -150,7 +152,7 @@ impl Stager {
             match unsafe { k.launch(stream, &copies) } {
                 Ok(n) => {
                     add(&core.counters.gpu_kernel_launches, n as u64);
-                    return Ok(stream.record()?);
+                    return record(stream, reuse);
                 }
                 Err(e) => {
                     // Nothing of this group was queued past the failed launch; earlier
@@ -176,7 +178,7 @@ impl Stager {
             off += len;
         }
         add(&core.counters.gpu_copy_calls, ranges.len() as u64);
-        Ok(stream.record()?)
+        record(stream, reuse)
     }
 
     /// Posts one RMA operation between slot `slot` and the peer on `rail`: `pieces` (at most
@@ -201,6 +203,18 @@ impl Stager {
         // this operation completes or is taken back unposted (the pool outlives the rails'
         // users).
         unsafe { post_segs(rail, core, ops, op, write, dest, &segs[..pieces.len()]) }
+    }
+}
+
+/// An event recorded on `stream` after what is queued there: `reuse` recorded again, or a new
+/// one.
+fn record(stream: &cuda::Stream, reuse: Option<cuda::Event>) -> Result<cuda::Event> {
+    match reuse {
+        Some(ev) => {
+            stream.record_event(&ev)?;
+            Ok(ev)
+        }
+        None => Ok(stream.record()?),
     }
 }
 
