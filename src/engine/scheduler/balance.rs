@@ -37,27 +37,35 @@ fn even_chunk(total: u64, chunk: u64, pairs: u64) -> Option<u64> {
     }
     let per_pair = total.div_ceil(chunk).div_ceil(pairs);
     let even = total.div_ceil(pairs * per_pair).next_multiple_of(ALIGN).max(MIN_CHUNK);
-    (even < chunk).then_some(even)
+    // As many chunks as before are dealt as before: planning again would change nothing.
+    (even < chunk && total.div_ceil(even) > total.div_ceil(chunk)).then_some(even)
 }
 
 /// `plan`, or the request planned again (`again`, with the chunk size it is given) where
 /// that carries less on its busiest rail.
-pub(super) fn even_out(inp: &Inputs, target: &Target, plan: Plan, again: impl FnOnce(&Inputs) -> Result<Plan>) -> Result<Plan> {
-    let Target::Peer(peer) = target else { return Ok(plan) };
+pub(super) fn even_out(inp: &Inputs, target: &Target, plan: Plan, again: impl FnOnce(&Inputs) -> Result<Plan>) -> Plan {
+    let Target::Peer(peer) = target else { return plan };
     if !inp.cfg.staging_balance || !plan.sum.staged {
-        return Ok(plan);
+        return plan;
     }
     let pairs = peer.bulk_route(inp.cfg.staging_rail0).len() as u64;
     let (total, busiest) = load(&plan);
     if busiest * 100 * pairs <= total * SLACK_PCT {
-        return Ok(plan);
+        return plan;
     }
-    let Some(chunk) = even_chunk(total, inp.chunk(), pairs) else { return Ok(plan) };
-    let evened = again(&Inputs { staged_chunk: chunk, ..*inp })?;
+    let Some(chunk) = even_chunk(total, inp.chunk(), pairs) else { return plan };
+    let evened = match again(&Inputs { staged_chunk: chunk, ..*inp }) {
+        Ok(p) => p,
+        Err(e) => {
+            // The first plan stands: it was good, and this one was only a better spread.
+            log::debug!("planning a staged request again with chunks of {chunk} bytes failed ({e}); keeping the first plan");
+            return plan;
+        }
+    };
     let (_, after) = load(&evened);
     log::debug!("staged request of {total} bytes over {pairs} rail pairs: busiest rail {busiest} bytes in chunks of {}, {after} in chunks of {chunk}",
                 inp.chunk());
-    Ok(if after < busiest { evened } else { plan })
+    if after < busiest { evened } else { plan }
 }
 
 #[cfg(test)]
@@ -79,9 +87,13 @@ mod tests {
         assert_eq!(even_chunk(10 * MIB, MIB, 5), None);
         // One rail pair: nothing to even.
         assert_eq!(even_chunk(16 * MIB, MIB, 1), None);
-        // A small request is not cut below MIN_CHUNK: 512 KiB over five rails stays two
-        // chunks of 256 KiB.
+        // A small request is not cut below MIN_CHUNK: 512 KiB over five rails becomes two
+        // chunks of 256 KiB; 256 KiB or less stays one chunk, so it is not planned again.
         assert_eq!(even_chunk(512 << 10, MIB, 5), Some(MIN_CHUNK));
+        assert_eq!(even_chunk(MIN_CHUNK, MIB, 5), None);
+        assert_eq!(even_chunk(100 << 10, MIB, 5), None);
+        // 2.5 MiB: three chunks on three of five pairs become five of 512 KiB.
+        assert_eq!(even_chunk(5 * MIB / 2, MIB, 5), Some(512 << 10));
         // 64 chunks over five rails: 13 each of 1008 KiB (rounded up to 1024 KiB: no gain).
         assert_eq!(even_chunk(64 * MIB, MIB, 5), None);
     }

@@ -26,7 +26,7 @@ use routes::{Small, RAIL0_MAX_DESCS};
 /// it is needed, by several threads in parts where the request is long (`part_count`).
 pub fn plan<'a, S: PairSource<'a> + ?Sized>(inp: &Inputs, target: &Target, pairs: &S, reach: &dyn Reach) -> Result<Plan> {
     let first = plan_once(inp, target, pairs, reach)?;
-    balance::even_out(inp, target, first, |evened| plan_once(evened, target, pairs, reach))
+    Ok(balance::even_out(inp, target, first, |evened| plan_once(evened, target, pairs, reach)))
 }
 
 /// One plan of the request with `inp`'s chunk size.

@@ -435,6 +435,17 @@ fn packed_chunks_move_scattered_blocks_over_four_rails_both_ways() {
     in_mock_cuda("packed", "engine::transport::staging::tests::packed_child");
 }
 
+/// Events the stand-in driver has created in this process.
+fn mock_events_created() -> std::ffi::c_long {
+    let d = cuda::Driver::get().unwrap();
+    // SAFETY: the stand-in is already loaded (same handle); mock_events_created has this signature.
+    let lib = unsafe { libloading::Library::new(d.path()) }.unwrap();
+    // SAFETY: as above.
+    let created: unsafe extern "C" fn() -> std::ffi::c_long = unsafe { *lib.get(b"mock_events_created\0").unwrap() };
+    // SAFETY: the counter takes nothing.
+    unsafe { created() }
+}
+
 /// VRAM<->VRAM, VRAM->DRAM and DRAM->VRAM, WRITE and READ, of many blocks of mixed
 /// sizes in reversed order, over four rails with FI_EAGAIN storms on every rail: byte
 /// exact; one gather or scatter launch per chunk on each side (never one per block),
@@ -515,7 +526,11 @@ fn packed_child() {
     let req = planned(&p, Op::Read, &bl, &im, &lremote);
     let before: Vec<usize> = p.owner.fakes.iter().map(|f| f.accepted().len()).collect();
     let (i0, o0) = (counters(&p.init), counters(&p.owner));
+    let events0 = mock_events_created();
     let pieces = p.run(&req);
+    // Our scatters and the owner's gathers go on the streams the READ above used, whose
+    // copies are all done: their events are recorded again, none is made.
+    assert_eq!(mock_events_created(), events0, "events of done copies are reused");
     assert!(pieces.iter().all(|x| x.res.is_ok()), "{:?}", pieces.iter().find_map(|x| x.res.as_ref().err()));
     assert_eq!(pieces.iter().map(|x| x.bytes).sum::<u64>(), total);
     ibuf.read(0, &mut got).unwrap();
