@@ -39,6 +39,15 @@ fn mem(engine: u64, base: u64, len: u64, rails: usize) -> Arc<LocalMem> {
     Arc::new(LocalMem::new(engine, base, len, MemKind::Dram, 0, rails, Vec::new(), q, None, None))
 }
 
+/// Device memory of ours at `base` (`staged`: the provider cannot register it), under a
+/// context value the scheduler only carries along.
+fn device_mem(base: u64, len: u64, rails: usize, staged: bool) -> Arc<LocalMem> {
+    // SAFETY: a dangling handle that no CUDA call sees in these tests.
+    let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
+    let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged, managed: false };
+    Arc::new(LocalMem::new(ME, base, len, MemKind::Vram, 0, rails, Vec::new(), SharedCloseQueue::default(), Some(dev), None))
+}
+
 fn peer(id: u64, rails: usize, local: Locality, cma: bool) -> Arc<Peer> {
     peer_of(id, rails, local, cma, false)
 }
@@ -245,12 +254,8 @@ fn provider_registered_device_memory_marks_the_plan_one_segment_per_operation() 
     let cfg = Config::defaults();
     let p = peer(1, 2, Locality::Remote, false);
     let r = remote(&p, 0x900_0000, 8 << 20, 2);
-    // SAFETY: a dangling handle that no CUDA call sees in this test.
-    let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
-    let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: false, managed: false };
-    let q = SharedCloseQueue::default();
-    let vram = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 2, Vec::new(), q.clone(), Some(dev), None));
-    let dram = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Dram, 0, 2, Vec::new(), q, None, None));
+    let vram = device_mem(0x10_0000, 8 << 20, 2, false);
+    let dram = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Dram, 0, 2, Vec::new(), SharedCloseQueue::default(), None, None));
     for (l, device) in [(&vram, true), (&dram, false)] {
         let pairs: Vec<Pair> = (0..4).map(|i| Pair { local: (0x10_0000 + i * 8192, 4096, l), remote: (0x900_0000 + i * 8192, 4096, &r) }).collect();
         let plan = run(&cfg, 2, &Target::Peer(p.clone()), &pairs, &Nothing(None)).unwrap();
@@ -265,12 +270,7 @@ fn staged_device_memory_is_cut_into_chunks_over_the_route() {
     cfg.staging_chunk_size = 1 << 20;
     let p = peer(1, 2, Locality::Remote, false);
     let r = remote(&p, 0x900_0000, 8 << 20, 2);
-    let q = SharedCloseQueue::default();
-    // A context value the scheduler only carries along (never used here).
-    // SAFETY: a dangling handle that no CUDA call sees in this test.
-    let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
-    let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: true, managed: false };
-    let l = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 2, Vec::new(), q, Some(dev), None));
+    let l = device_mem(0x10_0000, 8 << 20, 2, true);
     let pairs = [Pair { local: (0x10_0000, 3 << 20, &l), remote: (0x900_0000, 3 << 20, &r) }];
     let mut on = cfg.clone();
     on.staging_rail0 = true;
@@ -283,7 +283,7 @@ fn staged_device_memory_is_cut_into_chunks_over_the_route() {
     off.staging_rail0 = false;
     let p3 = peer(1, 3, Locality::Remote, false);
     let r3 = remote(&p3, 0x900_0000, 8 << 20, 3);
-    let l3 = Arc::new(LocalMem::new(ME, 0x10_0000, 8 << 20, MemKind::Vram, 0, 3, Vec::new(), SharedCloseQueue::default(), Some(dev), None));
+    let l3 = device_mem(0x10_0000, 8 << 20, 3, true);
     let pairs3 = [Pair { local: (0x10_0000, 4 << 20, &l3), remote: (0x900_0000, 4 << 20, &r3) }];
     let plan = run(&off, 3, &Target::Peer(p3), &pairs3, &Nothing(None)).unwrap();
     assert_eq!(plan.segs.iter().map(|s| (s.rail, s.rrail)).collect::<Vec<_>>(), vec![(1, 1), (2, 2), (1, 1), (2, 2)]);
@@ -311,10 +311,7 @@ fn staging_balance_evens_a_requests_chunks_out_over_the_rails() {
     cfg.staging_rail0 = false;
     let p = peer(1, 6, Locality::Remote, false);
     let r = remote(&p, 0x4000_0000, 64 << 20, 6);
-    // SAFETY: a dangling handle that no CUDA call sees in this test.
-    let ctx = unsafe { cuda::Context::from_raw(0x1000 as *mut std::ffi::c_void) }.unwrap();
-    let dev = crate::engine::gpu::DeviceMem { ctx, ordinal: 0, staged: true, managed: false };
-    let l = Arc::new(LocalMem::new(ME, 0x1000_0000, 64 << 20, MemKind::Vram, 0, 6, Vec::new(), SharedCloseQueue::default(), Some(dev), None));
+    let l = device_mem(0x1000_0000, 64 << 20, 6, true);
     // Every other slot on each side (no two blocks continue each other).
     let pairs: Vec<Pair> = (0..1024u64).map(|i| Pair { local: (0x1000_0000 + i * 32768, 16384, &l), remote: (0x4000_0000 + i * 32768, 16384, &r) }).collect();
     let per_pair = |plan: &Plan| {
