@@ -306,6 +306,8 @@ if named staging; then
       > "$B/staging_$tag.log" 2>&1 || rc=1
     vs_dram "$tag" "$R/staging_$tag.json" "$R/staging_dram_kv${STAGING_TAG:-}.json"
     grep -m1 "staging pool" "$B/staging_$tag.log" | sed 's/^.*\] //'
+    # (staging_balance: the first request it planned again, where one was)
+    grep -m1 "busiest rail" "$B/staging_$tag.log" | sed 's/^.*\] //'
     # where the chunks' time went (timing.rs), one line per engine that staged
     grep "staging times" "$B/staging_$tag.log" | sed "s/^.*\] //" | head -12
   done

@@ -6,6 +6,7 @@
 use super::types::{Inputs, Plan};
 use crate::engine::request::{Route, Target};
 use crate::error::Result;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Smallest chunk evening out cuts to: below it a chunk's control round trip and device
 /// copies weigh more than the rail time it saves.
@@ -63,10 +64,16 @@ pub(super) fn even_out(inp: &Inputs, target: &Target, plan: Plan, again: impl Fn
         }
     };
     let (_, after) = load(&evened);
-    log::debug!("staged request of {total} bytes over {pairs} rail pairs: busiest rail {busiest} bytes in chunks of {}, {after} in chunks of {chunk}",
-                inp.chunk());
+    // Once a process at INFO, so that a benchmark's log shows the setting took effect; at
+    // DEBUG after that (one line a staged request would flood it).
+    let level = if TOLD.swap(true, Ordering::Relaxed) { log::Level::Debug } else { log::Level::Info };
+    log::log!(level, "staged request of {total} bytes over {pairs} rail pairs: busiest rail {busiest} bytes in chunks of {}, {after} in chunks of {chunk}",
+              inp.chunk());
     if after < busiest { evened } else { plan }
 }
+
+/// A request was planned again in this process (its line went out at INFO).
+static TOLD: AtomicBool = AtomicBool::new(false);
 
 #[cfg(test)]
 mod tests {
