@@ -236,6 +236,20 @@ fn mock_counts(f: MockCounters) -> (c_long, c_long, c_long, c_long) {
     (a, b, c, d)
 }
 
+/// The stand-in driver's test hook `name` (NUL-terminated), from the driver this process
+/// already loaded. The pointer stays valid after the handle taken here closes: the driver
+/// keeps its own for the life of the process.
+///
+/// # Safety
+/// `T` is the hook's C signature.
+pub unsafe fn mock_hook<T: Copy>(name: &[u8]) -> T {
+    let d = Driver::get().expect("the stand-in driver is loaded");
+    // SAFETY: the library is already loaded (this only adds a reference to it).
+    let lib = unsafe { libloading::Library::new(d.path()) }.expect("the stand-in driver opens");
+    // SAFETY: the caller names the hook's signature.
+    unsafe { *lib.get::<T>(name).expect("the stand-in driver has the hook") }
+}
+
 #[test]
 #[ignore = "run by mock_driver_end_to_end in a child process"]
 fn mock_no_device_child() {
@@ -259,12 +273,10 @@ fn mock_child() {
     assert_eq!(d.version(), 13000);
     assert!(available());
     assert_eq!(device_count(), 2);
-    // SAFETY: the mock is already loaded (same handle); mock_counters has this signature.
-    let lib = unsafe { libloading::Library::new(d.path()) }.unwrap();
+    // SAFETY: these are the hooks' signatures.
+    let counters: MockCounters = unsafe { mock_hook(b"mock_counters\0") };
     // SAFETY: as above.
-    let counters: MockCounters = unsafe { *lib.get::<MockCounters>(b"mock_counters\0").unwrap() };
-    // SAFETY: as above.
-    let depth: unsafe extern "C" fn() -> i32 = unsafe { *lib.get(b"mock_depth\0").unwrap() };
+    let depth: unsafe extern "C" fn() -> i32 = unsafe { mock_hook(b"mock_depth\0") };
     let counts = || mock_counts(counters);
 
     // Errors carry the function, the code and the driver's name for it.

@@ -322,11 +322,8 @@ mod tests {
         src.write(0, &bytes).unwrap();
         dst.write(0, &vec![0u8; LEN]).unwrap();
         let ranges = pattern();
-        let d = cuda::Driver::get().unwrap();
-        // SAFETY: the stand-in is already loaded (same handle); mock_copied_bytes has this signature.
-        let lib = unsafe { libloading::Library::new(d.path()) }.unwrap();
-        // SAFETY: as above.
-        let moved: unsafe extern "C" fn() -> std::ffi::c_long = unsafe { *lib.get(b"mock_copied_bytes\0").unwrap() };
+        // SAFETY: mock_copied_bytes has this signature.
+        let moved: unsafe extern "C" fn() -> std::ffi::c_long = unsafe { cuda::tests::mock_hook(b"mock_copied_bytes\0") };
         if let Some(l) = limit {
             std::env::set_var("MOCK_CUDA_LAUNCH_LIMIT", l);
         }

@@ -437,11 +437,8 @@ fn packed_chunks_move_scattered_blocks_over_four_rails_both_ways() {
 
 /// Events the stand-in driver has created in this process.
 fn mock_events_created() -> std::ffi::c_long {
-    let d = cuda::Driver::get().unwrap();
-    // SAFETY: the stand-in is already loaded (same handle); mock_events_created has this signature.
-    let lib = unsafe { libloading::Library::new(d.path()) }.unwrap();
-    // SAFETY: as above.
-    let created: unsafe extern "C" fn() -> std::ffi::c_long = unsafe { *lib.get(b"mock_events_created\0").unwrap() };
+    // SAFETY: mock_events_created has this signature.
+    let created: unsafe extern "C" fn() -> std::ffi::c_long = unsafe { cuda::tests::mock_hook(b"mock_events_created\0") };
     // SAFETY: the counter takes nothing.
     unsafe { created() }
 }
